@@ -1,5 +1,7 @@
 """Small models shared by the distributed tests (deterministic given the seed)."""
 
+import time
+
 import torch
 from torch import nn
 
@@ -224,6 +226,17 @@ def raised(fn) -> str:
     except Exception as exc:  # noqa: BLE001 - the message is what is checked
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def raised_timed(fn) -> tuple:
+    """(``"Type: text"`` of whatever ``fn()`` raises, or None; the seconds it took): for scenarios
+    that check a refusal reaches every rank promptly, not at a timeout."""
+    start = time.perf_counter()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}", time.perf_counter() - start
+    return None, time.perf_counter() - start
 
 
 def fp16_sum_overflow_case(rank: int, limit: float):

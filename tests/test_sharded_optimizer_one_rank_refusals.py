@@ -17,11 +17,11 @@ Tolerance 1e-5 absolute: 3 AdamW steps (lr 0.01, eps 1e-3) in fp32 on parameters
 """
 
 import copy
-import time
 
 import torch
 from torch import nn
 
+import models
 from shared_rank_launch import launch_for_selected, results_of
 
 import pytest
@@ -35,15 +35,6 @@ PROMPT_S = TIMEOUT_S / 2  # each refusal well before the stall timeout a waiting
 
 def _net():
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-
-
-def _timed_error(fn):
-    start = time.perf_counter()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}", time.perf_counter() - start
-    return None, time.perf_counter() - start
 
 
 def _batch(world, seed, step):
@@ -81,10 +72,10 @@ def _with_ddp(rank, world, seed):
     one = rank == 1
     mine = list(model.parameters())
     errors = {
-        "several": _timed_error(lambda: _adamw(mine + (list(other.parameters()) if one else []))),
-        "ignored": _timed_error(lambda: _adamw(list(with_ignored.parameters()) if one
+        "several": models.raised_timed(lambda: _adamw(mine + (list(other.parameters()) if one else []))),
+        "ignored": models.raised_timed(lambda: _adamw(list(with_ignored.parameters()) if one
                                                else [with_ignored.module.weight])),
-        "group": _timed_error(lambda: fusedist.ZeroRedundancyOptimizer(
+        "group": models.raised_timed(lambda: fusedist.ZeroRedundancyOptimizer(
             mine, torch.optim.AdamW, alone if one else None, lr=0.01, eps=1e-3)),
     }
     zopt = _adamw(mine)
@@ -94,7 +85,7 @@ def _with_ddp(rank, world, seed):
         raise ValueError("this rank's checkpoint is from another run")
 
     handle = zopt.register_load_state_dict_pre_hook(refuse) if one else None
-    errors["load hook"] = _timed_error(lambda: zopt.load_state_dict(saved))
+    errors["load hook"] = models.raised_timed(lambda: zopt.load_state_dict(saved))
     if handle is not None:
         handle.remove()
     ropt = _adamw(ref.parameters(), torch.optim.AdamW)
@@ -129,7 +120,7 @@ def _unfrozen_without_ddp(rank, world, seed):
     if rank == 1:
         model[2].requires_grad_(True)
     backward(model, x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
-    errors = {"unfrozen": _timed_error(zopt.step)}
+    errors = {"unfrozen": models.raised_timed(zopt.step)}
 
     model = copy.deepcopy(ref)
     for m in (model, ref):

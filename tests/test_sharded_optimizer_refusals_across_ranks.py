@@ -19,12 +19,12 @@ Tolerance 1e-5 absolute: 3 AdamW steps (lr 0.01, eps 1e-3) in fp32 on parameters
 """
 
 import copy
-import time
 
 import pytest
 import torch
 from torch import nn
 
+import models
 from shared_rank_launch import launch_for_selected, results_of
 
 TOL = 1e-5
@@ -37,15 +37,6 @@ PROMPT_S = TIMEOUT_S / 2
 
 def _net():
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
-
-
-def _timed_error(fn):
-    start = time.perf_counter()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}", time.perf_counter() - start
-    return None, time.perf_counter() - start
 
 
 def _train_against_torch(rank, world, seed, model, ref, zopt, ropt):
@@ -96,10 +87,11 @@ def _constructed_on_one_rank(rank, world, seed):
         "meta": lambda: build(list(model[0].parameters()) + list((on_meta if one else model[2]).parameters())),
     }
     zopt = build()  # (first: loads the host Adam's extension, which a timed case must not wait for)
-    errors = {name: _timed_error(fn) for name, fn in cases.items()}
+    errors = {name: models.raised_timed(fn) for name, fn in cases.items()}
     # Left on the meta device on every rank: refused alike at construction, each rank's own error
     # (it failed at the first step with a bare "Cannot copy out of meta tensor").
-    errors["meta everywhere"] = _timed_error(lambda: build(list(model[0].parameters()) + list(on_meta.parameters())))
+    everywhere = list(model[0].parameters()) + list(on_meta.parameters())
+    errors["meta everywhere"] = models.raised_timed(lambda: build(everywhere))
     ropt = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1e-3)
     return {"errors": errors, "diffs": _train_against_torch(rank, world, seed, model, ref, zopt, ropt)}
 
@@ -121,9 +113,9 @@ def _added_with_offload(rank, world, seed):
     for m in (ref, model):
         m[2].requires_grad_(True)
     head = list(model[2].parameters())
-    errors = {flag: _timed_error(lambda: zopt.add_param_group({"params": head, flag: rank == 1}))
+    errors = {flag: models.raised_timed(lambda: zopt.add_param_group({"params": head, flag: rank == 1}))
               for flag in ("amsgrad", "differentiable", "capturable")}
-    errors["amsgrad everywhere"] = _timed_error(lambda: zopt.add_param_group({"params": head, "amsgrad": True}))
+    errors["amsgrad everywhere"] = models.raised_timed(lambda: zopt.add_param_group({"params": head, "amsgrad": True}))
     groups_after = len(zopt.param_groups)
     zopt.add_param_group({"params": head, "lr": 0.02})
     ropt.add_param_group({"params": list(ref[2].parameters()), "lr": 0.02})

@@ -27,12 +27,12 @@ sharded and torch's updates differ in summation order only (~1e-7).
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
 from torch import nn
 
+import models
 from shared_rank_launch import launch_for_selected, results_of
 
 TOL = 1e-5
@@ -53,15 +53,6 @@ def _batch(seed, step, rank):
 
 def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _error(fn):
-    start = time.perf_counter()
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}", time.perf_counter() - start
-    return None, time.perf_counter() - start
 
 
 def _recipe(module, zero_cls, **kw):
@@ -115,9 +106,10 @@ def _stage2_recipe(rank, world, seed):
     other = fusedist.DistributedDataParallel(_net(seed))
     part = fusedist.ZeroRedundancyOptimizer(list(other.module[0].parameters()), torch.optim.AdamW, stage=2)
     nn.functional.mse_loss(other(x), y).backward()
-    out["step before"] = _error(part.step)[0]
+    out["step before"] = models.raised_timed(part.step)[0]
     part.optim  # (the state, over the subset)
-    out["added after state"] = _error(lambda: part.add_param_group({"params": list(other.module[2].parameters())}))
+    rest = list(other.module[2].parameters())
+    out["added after state"] = models.raised_timed(lambda: part.add_param_group({"params": rest}))
     return out
 
 
@@ -126,7 +118,7 @@ def _empty_on_one_rank(rank, world, seed):
 
     model = fusedist.DistributedDataParallel(_net(seed))
     params = [] if rank == 1 else list(model.parameters())
-    return _error(lambda: fusedist.ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=0.01))
+    return models.raised_timed(lambda: fusedist.ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=0.01))
 
 
 def _counting(comm):
@@ -196,8 +188,8 @@ def _scaled_without_ddp(rank, world, seed):
     x, y = _batch(seed, 0, rank)
     scaler = fusedist.amp.GradScaler("cpu")
     scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
-    out["slices"] = _error(opt.gradient_slices)
-    out["unscale"] = _error(lambda: scaler.unscale_(opt))
+    out["slices"] = models.raised_timed(opt.gradient_slices)
+    out["unscale"] = models.raised_timed(lambda: scaler.unscale_(opt))
     return out
 
 

@@ -380,8 +380,8 @@ def test_torchtitans_pipelined_dcp_checkpoint_loads_into_any_split(tmp_path):
 
 
 def test_optimizer_state_by_name_takes_the_optimizers_order_and_keeps_an_empty_group():
-    """The by-name state a part takes from the stages (or from a torch distributed checkpoint)
-    is put in the optimizer's order, each group with its parameters' saved settings; a group
+    """The by-name state a part takes from several stages (their groups put together) is put in
+    the optimizer's order, each group with its parameters' saved settings; a group
     the optimizer holds empty keeps its own (it made the conversion fail with an IndexError)."""
     from fusedist.checkpoint import CheckpointError, _from_dcp
 
@@ -389,7 +389,7 @@ def test_optimizer_state_by_name_takes_the_optimizers_order_and_keeps_an_empty_g
     opt = torch.optim.AdamW([{"params": [a, b], "lr": 1.0}, {"params": [], "lr": 2.0}, {"params": [c], "lr": 3.0}])
     saved = {"state": {"b": {"step": torch.tensor(5.0)}, "c": {"step": torch.tensor(7.0)}},
              "param_groups": [{"params": ["c"], "lr": 0.3}, {"params": ["a", "b"], "lr": 0.1}]}
-    full = _from_dcp.to_torch_format(saved, ["a", "b", "c"], opt.param_groups, "test")
+    full = _from_dcp.to_torch_format(saved, ["a", "b", "c"], opt.param_groups, "test", one_saved=False)
     assert [g["params"] for g in full["param_groups"]] == [[0, 1], [], [2]]
     assert [g["lr"] for g in full["param_groups"]] == [0.1, 2.0, 0.3]
     assert sorted(full["state"]) == [1, 2] and float(full["state"][2]["step"]) == 7.0
@@ -397,4 +397,4 @@ def test_optimizer_state_by_name_takes_the_optimizers_order_and_keeps_an_empty_g
     with pytest.raises(CheckpointError, match="different settings"):
         _from_dcp.to_torch_format(dict(saved, param_groups=[{"params": ["a", "c"], "lr": 0.1},
                                                            {"params": ["b"], "lr": 0.5}]),
-                                  ["a", "b", "c"], opt.param_groups, "test")
+                                  ["a", "b", "c"], opt.param_groups, "test", one_saved=False)

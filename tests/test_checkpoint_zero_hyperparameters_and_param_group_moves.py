@@ -15,8 +15,13 @@
   ``set_optimizer_state_dict`` leaves a group without settings (its next step fails: Note
   [parameters moved between param groups] in fusedist/checkpoint/_from_dcp.py). Refused before
   anything changes, naming the parameter and both groups, for torch's
-  distributed checkpoint and a pipelined fusedist one. The saved grouping loads as torch's
-  ``set_state_dict`` loads it (copies: exactly equal).
+  distributed checkpoint (nested, or flattened with the record of its groups that
+  ``checkpoint.record_param_groups`` adds: Note [param groups of a flattened optimizer state] in
+  fusedist/checkpoint/_group_record.py) and a pipelined fusedist one. The saved grouping loads as
+  torch's ``set_state_dict`` loads it (copies: exactly equal). Two saved groups of equal settings
+  loaded into one were merged by name, where torch's ``load_state_dict`` refuses another number
+  of groups: refused, naming both counts. torch reads a file with the record as its own, and a
+  flattened state without it loads as before.
 - a pipeline part without state whose optimizer over no parameters has another number of
   groups than the checkpoint's optimizer (an ordinary fusedist checkpoint, or torch's
   ``optimizer.state_dict()`` saved by DCP) was told the groups "of [0] parameters" differ from
@@ -30,6 +35,9 @@
   its metadata cut short, failed inside torch's reader with its traceback and an unzip or
   unpickling error naming no file: the file is named, with its size and the size its metadata
   records (torch's ``dcp.load`` refuses it too).
+- torch's ``dcp.save`` into a directory of a fusedist checkpoint: load read fusedist's older
+  manifest, the state torch's save replaced, silently; refused naming both (Note [two
+  checkpoints in one directory] in fusedist/checkpoint/_which_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -194,37 +202,57 @@ _SAVED = [["0.weight", "0.bias"], ["2.weight", "2.bias"]]
 _MOVED = [["0.weight", "2.weight"], ["0.bias", "2.bias"]]
 
 
-@pytest.mark.parametrize("kind", ["torch dcp", "fusedist pipelined"])
-def test_a_parameter_moved_to_another_param_group_is_refused_naming_both_groups(tmp_path, kind):
+def _saved_grouped(path: str, seed: int, kind: str, layout: list) -> tuple:
+    """A model and AdamW in param groups ``layout`` after a step, saved as ``kind``; torch's
+    state dicts of it (the optimizer's flattened for the flattened kinds)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model = _net(seed)
+    opt = _grouped(model, layout)
+    _steps(model, opt, [seed])
+    flat = kind.startswith("torch dcp flattened")
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+    if kind == "fusedist pipelined":
+        checkpoint.save(path, [model], [opt], pipeline=True)
+        return msd, osd
+    if kind == "torch dcp flattened, groups recorded":
+        osd = checkpoint.record_param_groups(model, opt, osd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (one process: DCP warns that it saves alone)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return msd, osd
+
+
+def _load(path: str, kind: str, model, opt) -> None:
+    pipelined = kind == "fusedist pipelined"
+    checkpoint.load(path, [model] if pipelined else model, [opt] if pipelined else opt, pipeline=pipelined)
+
+
+_KINDS = ["torch dcp", "torch dcp flattened, groups recorded", "fusedist pipelined"]
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+def test_a_parameter_moved_to_another_param_group_is_refused_naming_both_groups(tmp_path, kind):
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     seed = int.from_bytes(os.urandom(2), "little")
-    model = _net(seed)
-    opt = _grouped(model, _SAVED)
-    _steps(model, opt, [seed])
     path = str(tmp_path / "ckpt")
-    msd, osd = get_state_dict(model, opt)
-    if kind == "torch dcp":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    else:
-        checkpoint.save(path, [model], [opt], pipeline=True)
-    torch_moved = _net(seed + 1)
-    torch_opt = _grouped(torch_moved, _MOVED)
-    set_state_dict(torch_moved, torch_opt, model_state_dict=msd, optim_state_dict=osd)
-    assert "lr" not in torch_opt.param_groups[0]  # torch's: a group left without settings (its step fails)
-    with pytest.raises(KeyError):
-        torch_opt.step()
+    msd, osd = _saved_grouped(path, seed, kind, _SAVED)
+    if kind != "torch dcp flattened, groups recorded":
+        torch_moved = _net(seed + 1)
+        torch_opt = _grouped(torch_moved, _MOVED)
+        set_state_dict(torch_moved, torch_opt, model_state_dict=msd, optim_state_dict=osd)
+        assert "lr" not in torch_opt.param_groups[0]  # torch's: a group left without settings (its step fails)
+        with pytest.raises(KeyError):
+            torch_opt.step()
 
     fresh = _net(seed + 1)
     moved = _grouped(fresh, _MOVED, lr=5e-3)
     before = _flat(fresh).clone()
     with pytest.raises(checkpoint.CheckpointError, match=r"parameter '2\.weight' is in param group 0 of the optimizer "
                        r"but was saved in param group 1 with '2\.bias'.*nothing was loaded"):
-        checkpoint.load(path, [fresh] if kind != "torch dcp" else fresh, [moved] if kind != "torch dcp" else moved,
-                        pipeline=kind != "torch dcp")
+        _load(path, kind, fresh, moved)
     assert torch.equal(_flat(fresh), before) and not moved.state and moved.param_groups[0]["lr"] == 5e-3
 
     # the saved grouping: as torch's set_state_dict loads it
@@ -232,11 +260,61 @@ def test_a_parameter_moved_to_another_param_group_is_refused_naming_both_groups(
     reference_opt = _grouped(reference, _SAVED)
     set_state_dict(reference, reference_opt, model_state_dict=msd, optim_state_dict=osd)
     same = _grouped(fresh, _SAVED, lr=5e-3)
-    checkpoint.load(path, [fresh] if kind != "torch dcp" else fresh, [same] if kind != "torch dcp" else same,
-                    pipeline=kind != "torch dcp")
+    _load(path, kind, fresh, same)
     _steps(fresh, same, [seed + 1])
     _steps(reference, reference_opt, [seed + 1])
     assert torch.equal(_flat(fresh), _flat(reference))
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+def test_saved_param_groups_merged_into_one_are_refused_naming_both_counts(tmp_path, kind):
+    """Two saved groups of equal settings, one group here: torch's load_state_dict refuses another
+    number of groups (and set_optimizer_state_dict merges them); load, whose contract is
+    load_state_dict's, merged them by name. Refused now, nothing changed; one group saved and
+    loaded as torch's load_state_dict loads it."""
+    seed = int.from_bytes(os.urandom(2), "little")
+    path = str(tmp_path / "ckpt")
+    _saved_grouped(path, seed, kind, _SAVED)
+    reference = _net(seed)
+    with pytest.raises(ValueError, match="different number of parameter groups"):  # (torch's refusal)
+        torch.optim.AdamW(reference.parameters()).load_state_dict(_grouped(reference, _SAVED).state_dict())
+    fresh = _net(seed + 1)
+    merged = torch.optim.AdamW(fresh.parameters(), lr=5e-3)
+    before = _flat(fresh).clone()
+    with pytest.raises(checkpoint.CheckpointError, match=r"holds its parameters in 1 param group\(s\), the checkpoint "
+                       r"in 2 \(group 0: '0\.weight', '0\.bias'; group 1: '2\.weight', '2\.bias'\).*Build the "
+                       r"optimizer with the 2 saved groups.*nothing was loaded"):
+        _load(path, kind, fresh, merged)
+    assert torch.equal(_flat(fresh), before) and not merged.state and merged.param_groups[0]["lr"] == 5e-3
+
+
+def test_torch_reads_a_flattened_state_with_recorded_groups_and_an_unrecorded_one_loads_as_before(tmp_path):
+    """The record is an entry torch's dcp.load and set_state_dict leave alone: torch loads the
+    file as its own (exactly equal). A flattened state without it (torch's own, or older) still
+    loads into the saved grouping, as torch's set_state_dict loads it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    seed = int.from_bytes(os.urandom(2), "little")
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    for kind in ("torch dcp flattened, groups recorded", "torch dcp flattened"):
+        path = str(tmp_path / kind.replace(" ", "_").replace(",", ""))
+        msd, osd = _saved_grouped(path, seed, kind, _SAVED)
+        assert ("param_group_members" in osd) == kind.endswith("recorded")
+        torch_model = _net(seed + 1)
+        torch_opt = _grouped(torch_model, _SAVED, lr=5e-3)
+        target = dict(zip(("model", "optim"), get_state_dict(torch_model, torch_opt, options=flat)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(target, checkpoint_id=path)
+        set_state_dict(torch_model, torch_opt, model_state_dict=target["model"], optim_state_dict=target["optim"],
+                       options=flat)
+        fresh = _net(seed + 2)
+        ours = _grouped(fresh, _SAVED, lr=5e-3)
+        _load(path, kind, fresh, ours)
+        _steps(fresh, ours, [seed + 1])
+        _steps(torch_model, torch_opt, [seed + 1])
+        assert torch.equal(_flat(fresh), _flat(torch_model)), kind
 
 
 class _Loss(nn.Module):
@@ -310,3 +388,46 @@ def test_a_torch_dcp_data_file_cut_short_is_named(tmp_path, how):
     with pytest.raises(checkpoint.CheckpointError, match=named + ".*nothing was loaded"):
         checkpoint.load(path, fresh, torch.optim.AdamW(fresh.parameters()))
     assert torch.equal(_flat(fresh), before)
+
+
+def test_torch_dcp_saved_into_a_fusedist_checkpoints_directory_is_not_loaded_as_the_stale_one(tmp_path):
+    """torch's dcp.save into a directory of a fusedist checkpoint leaves fusedist's files and
+    manifest there, and load read the manifest: the state torch's save replaced, silently (torch's
+    dcp.load reads its own). Refused now, naming both; the other way round (a fusedist save into
+    a directory of torch's checkpoint) loads fusedist's, the one saved last, as torch's
+    load_state_dict of its state loads it (exactly equal)."""
+    import torch.distributed.checkpoint as dcp
+
+    seed = int.from_bytes(os.urandom(2), "little")
+    path = str(tmp_path / "ckpt")
+    stale = _net(seed)
+    stale_opt = torch.optim.AdamW(stale.parameters(), lr=1e-2)
+    _steps(stale, stale_opt, [seed])
+    checkpoint.save(path, stale, stale_opt)
+    newer_state = _dcp_saved(path, seed + 1, 1e-2)  # (into the same directory)
+    assert os.path.exists(os.path.join(path, "manifest.json"))
+    newer = _net(seed + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"model": newer.state_dict()}, checkpoint_id=path)  # (torch's reads its own)
+    assert torch.equal(_flat(newer), torch.cat([v.reshape(-1) for v in newer_state[0].values()]))
+    fresh = _net(seed + 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=5e-3)
+    before = _flat(fresh).clone()
+    with pytest.raises(checkpoint.CheckpointError, match=r"holds two checkpoints: torch's distributed checkpoint "
+                       r"\(\.metadata, written .*\) and, older, fusedist's \(manifest\.json, written "
+                       r".*nothing was loaded"):
+        checkpoint.load(path, fresh, fresh_opt)
+    assert torch.equal(_flat(fresh), before) and not fresh_opt.state
+
+    other = str(tmp_path / "other")  # a fusedist save into a directory of torch's checkpoint: the last one loads
+    _dcp_saved(other, seed + 3, 1e-2)
+    checkpoint.save(other, stale, stale_opt)
+    checkpoint.load(other, fresh, fresh_opt)
+    reference = _net(seed + 4)
+    reference.load_state_dict(stale.state_dict())
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=5e-3)
+    reference_opt.load_state_dict(stale_opt.state_dict())
+    _steps(fresh, fresh_opt, [seed + 5])
+    _steps(reference, reference_opt, [seed + 5])
+    assert torch.equal(_flat(fresh), _flat(reference))

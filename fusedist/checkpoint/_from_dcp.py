@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from . import _names
+from . import _group_record, _names
 from ._files import CheckpointError, refusal_reason
 
 METADATA = ".metadata"
@@ -248,8 +248,9 @@ def _dicts(tree: dict) -> list:
 
 
 def _is_optimizer(d: dict) -> bool:
+    keys = [k for k in d if k != _group_record.MEMBERS]
     return ("state" in d and "param_groups" in d) or (
-        bool(d) and all(isinstance(k, str) and k.split(".", 1)[0] in ("state", "param_groups") for k in d))
+        bool(keys) and all(isinstance(k, str) and k.split(".", 1)[0] in ("state", "param_groups") for k in keys))
 
 
 def _model_entries(d: dict) -> dict:
@@ -299,17 +300,22 @@ def _model_dict(tree: dict, expected: dict, normalize, directory: str) -> dict:
     return named[0] if len(tied) > 1 else tied[0][1]
 
 
-def _nested(optim: dict, names: list, source: str, others: bool = False) -> tuple[dict, list]:
+def _nested(optim: dict, names: list, source: str, others: bool = False) -> tuple[dict, list, bool]:
     """A flattened optimizer state (``state.<name>.<key>``, ``param_groups.<name>.<setting>``:
-    ``flatten_optimizer_state_dict=True``) as ``state`` by name and one group per parameter.
+    ``flatten_optimizer_state_dict=True``) as ``state`` by name and its groups: the recorded
+    ones where the state records them (Note [param groups of a flattened optimizer state] in
+    ``_group_record.py``), else one per parameter; and whether the groups are the saved ones.
     ``others``: entries of parameters not in ``names`` are skipped (other pipeline stages')
     instead of refused."""
     if "state" in optim and "param_groups" in optim:
-        return optim["state"], optim["param_groups"]
+        return optim["state"], optim["param_groups"], True
     state: dict = {}
     settings: dict = {}
     known = set(names)
+    members = _group_record.recorded(optim, source)
     for key, value in optim.items():
+        if key == _group_record.MEMBERS:
+            continue
         kind, rest = key.split(".", 1)
         name, _, field = rest.rpartition(".")
         if name not in known:
@@ -317,8 +323,35 @@ def _nested(optim: dict, names: list, source: str, others: bool = False) -> tupl
                 continue
             raise CheckpointError(f"fusedist.checkpoint: {source}: entry {key!r} names no parameter of the optimizer")
         (state if kind == "state" else settings).setdefault(name, {})[field] = value
-    groups = [dict(values, params=[name]) for name, values in settings.items()]
-    return state, groups
+    if members is None:
+        return state, [dict(values, params=[name]) for name, values in settings.items()], False
+    return state, _recorded_groups(members, settings, known, source, others), True
+
+
+def _recorded_groups(members: list, settings: dict, known: set, source: str, others: bool) -> list:
+    """The saved param groups rebuilt from the recorded ``members``, each with the settings of its
+    parameters, which must agree (torch's ``set_optimizer_state_dict`` refuses them otherwise)."""
+    groups, listed = [], set()
+    for index, group in enumerate(members):
+        kept = [n for n in group if n in known] if others else list(group)
+        for name in kept:
+            if name not in settings:
+                raise CheckpointError(
+                    f"fusedist.checkpoint: {source}: its record of param groups lists parameter {name!r} in group "
+                    f"{index}, which has no settings saved ('param_groups.{name}.<setting>'): the record belongs to "
+                    "another state; nothing was loaded")
+            if not _same(settings[name], settings[kept[0]]):
+                raise CheckpointError(
+                    f"fusedist.checkpoint: {source}: parameters {kept[0]!r} and {name!r} were saved in param group "
+                    f"{index} but with different settings; nothing was loaded")
+        listed.update(kept)
+        groups.append(dict(settings[kept[0]] if kept else {}, params=kept))
+    unlisted = [n for n in settings if n not in listed]
+    if unlisted:
+        raise CheckpointError(
+            f"fusedist.checkpoint: {source}: parameter {unlisted[0]!r} has saved settings but is in no param group "
+            f"of its record of groups ({len(unlisted)} such): the record belongs to another state; nothing was loaded")
+    return groups
 
 
 def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: str, others: bool = False,
@@ -328,10 +361,10 @@ def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: st
     (each takes the saved settings of its parameters; an empty one keeps its own), ``others``:
     as in :func:`_nested`. ``one_saved``: ``optim``'s groups are one saved optimizer's, in its
     order (not several pipeline stages' put together), so a parameter in another group than
-    the one it was saved in is refused (Note [parameters moved between param groups])."""
+    the one it was saved in, or groups merged or split, is refused (Note [parameters moved
+    between param groups])."""
     group_sizes = [len(g["params"]) for g in optimizer_groups]
-    nested = "state" in optim and "param_groups" in optim
-    state, groups = _nested(_without_ddp_prefix(optim, names), names, source, others)
+    state, groups, grouped = _nested(_without_ddp_prefix(optim, names), names, source, others)
     if not names and groups and all(isinstance(i, int) for g in groups for i in g.get("params", [])):
         return _over_no_parameters(state, groups, optimizer_groups, source)
     if groups and all(isinstance(i, int) for g in groups for i in g.get("params", [])):
@@ -344,8 +377,8 @@ def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: st
     if missing:
         raise CheckpointError(f"fusedist.checkpoint: {source} has no parameter {missing[0]!r} of the optimizer "
                               f"({len(missing)} of {len(names)} missing)")
-    if nested and one_saved and len(groups) == len(group_sizes):
-        _refuse_moved(groups, group_of, names, group_sizes, source)
+    if grouped and one_saved:
+        _refuse_regrouped(groups, group_of, names, group_sizes, source, count_must_match=not others)
     out_groups, out_state, start = [], {}, 0
     for size, own in zip(group_sizes, optimizer_groups):
         members = names[start:start + size]
@@ -376,6 +409,7 @@ def _without_ddp_prefix(optim: dict, names: list) -> dict:
         saved += [n for g in optim["param_groups"] for n in g.get("params", []) if isinstance(n, str)]
     else:
         saved = [key.split(".", 1)[1].rpartition(".")[0] for key in optim if "." in key]
+    members = optim.get(_group_record.MEMBERS)
     if not _names.has_ddp_prefix(saved, set(names)):
         return optim
 
@@ -387,7 +421,11 @@ def _without_ddp_prefix(optim: dict, names: list) -> dict:
         return dict(optim, state={strip(k): v for k, v in optim["state"].items()},
                     param_groups=[dict(g, params=[strip(n) for n in g.get("params", [])])
                                   for g in optim["param_groups"]])
-    return {kind + "." + strip(rest): v for (kind, rest), v in ((k.split(".", 1), v) for k, v in optim.items())}
+    out = {kind + "." + strip(rest): v for (kind, rest), v in ((k.split(".", 1), v) for k, v in optim.items()
+                                                               if k != _group_record.MEMBERS)}
+    if isinstance(members, (list, tuple)):
+        out[_group_record.MEMBERS] = [[strip(n) for n in g] if isinstance(g, (list, tuple)) else g for g in members]
+    return out
 
 
 def by_index(optim: Optional[dict]) -> bool:
@@ -413,19 +451,41 @@ def state_names(optim: dict) -> list:
 # optimizer's group of its parameters, so a saved group whose parameters went to two groups
 # leaves one of them without settings (its next step fails on a KeyError 'lr'), and elsewhere
 # it takes one saved group's settings for parameters saved in several, unchecked. torch's
-# Optimizer.load_state_dict pairs groups by position and parameters by index. What a group's
-# index carries besides its settings -- an LR scheduler's state (its base_lrs, its lambdas),
-# a per-group rule the training code applies by index -- would then act on other parameters
-# than in the saved run, silently. So the groups must hold the parameters they were saved
-# with, by index; the refusal names the parameter and both groups. A state saved flattened
-# (one entry per parameter) records no group, and groups of another number keep the check of
-# their settings.
-def _refuse_moved(groups: list, group_of: dict, names: list, group_sizes: list, source: str) -> None:
+# Optimizer.load_state_dict pairs groups by position and parameters by index, and refuses
+# another number of groups. What a group's index carries besides its settings -- an LR
+# scheduler's state (its base_lrs, its lambdas), a per-group rule the training code applies by
+# index -- would then act on other parameters than in the saved run, silently. So
+# fusedist.checkpoint.load, whose contract for its own files is load_state_dict's, holds a
+# state saved by name to it too: the groups holding parameters must be as many as the saved
+# ones holding them (two saved groups of equal settings were merged into one; a merge is
+# refused naming both counts), and hold the parameters they were saved with, in the saved
+# order of groups (the refusal names the parameter and both groups). Groups without parameters
+# are left out on both sides (a flattened state has none; a pipeline part's filtered ones). A
+# state saved flattened records its groups only with its record (Note [param groups of a
+# flattened optimizer state] in _group_record.py); without it, and for a part taking some of
+# a checkpoint's groups (others), another number of groups keeps the check of their settings.
+def _refuse_regrouped(groups: list, group_of: dict, names: list, group_sizes: list, source: str,
+                      count_must_match: bool) -> None:
+    known = set(names)
+    saved_used = [gi for gi, g in enumerate(groups) if any(n in known for n in g.get("params", []))]
+    own_used = [i for i, size in enumerate(group_sizes) if size]
+    if len(saved_used) != len(own_used):
+        if not count_must_match:
+            return
+        shown = "; ".join(f"group {gi}: {', '.join(map(repr, groups[gi]['params'][:2]))}"
+                          f"{' ...' if len(groups[gi]['params']) > 2 else ''}" for gi in saved_used[:4])
+        raise CheckpointError(
+            f"fusedist.checkpoint: {source}: the optimizer holds its parameters in {len(own_used)} param group(s), "
+            f"the checkpoint in {len(saved_used)} ({shown}). torch's Optimizer.load_state_dict refuses another "
+            "number of groups; merged or split by name, what a group's index carries (an LR scheduler's state "
+            f"among it) would act on other parameters. Build the optimizer with the {len(saved_used)} saved groups, "
+            "or pass optimizer=None to start a new one; nothing was loaded")
+    paired = dict(zip(own_used, saved_used))
     start = 0
     for index, size in enumerate(group_sizes):
         for name in names[start:start + size]:
             saved = group_of[name]
-            if saved != index:
+            if saved != paired[index]:
                 with_it = [n for n in groups[saved].get("params", []) if n != name][:2]
                 beside = f" with {', '.join(map(repr, with_it))}" if with_it else ""
                 raise CheckpointError(

@@ -13,7 +13,7 @@ import torch
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _adam_family, _checks, _dcp_algorithm, _files, _from_dcp, _names, stage3
+from . import _adam_family, _checks, _dcp_algorithm, _files, _from_dcp, _names, _which_checkpoint, stage3
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
@@ -208,7 +208,7 @@ def _prepare_dcp(directory, model, optimizer, scaler, strict: bool = True, trust
 def prepare(directory, model, optimizer, scaler, trusted: bool = False, strict: bool = True) -> dict:
     """Read and check every file ``load`` needs and every tensor against ``model``, ``optimizer``
     and ``scaler``, without modifying them: the plan :func:`apply` carries out."""
-    if _from_dcp.is_dcp(directory) and not os.path.exists(os.path.join(directory, _files.MANIFEST)):
+    if _which_checkpoint.reads_dcp(directory, _files.MANIFEST):
         return _prepare_dcp(directory, model, optimizer, scaler, strict, trusted)
     manifest, digest = _files.read_manifest_and_digest(directory)
     files = manifest["files"]

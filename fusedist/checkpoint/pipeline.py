@@ -48,7 +48,8 @@ import torch
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _checks, _files, _from_dcp, _given_up, _load_plan, _names, _pipeline_dcp, _sections, api, stage3
+from . import (_checks, _files, _from_dcp, _given_up, _load_plan, _names, _pipeline_dcp, _sections, _which_checkpoint,
+               api, stage3)
 from ._files import CheckpointError
 from ._optimizer_list import MANIFEST_KEY
 from ._params import optimizer_params, param_names
@@ -323,7 +324,7 @@ def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: boo
     """The plan of a load into the parts of ``model`` (Note [pipelined checkpoints]): each
     part's :func:`_load_plan.prepare`-style plan, read and checked without modifying anything."""
     held = parts(model, optimizer)
-    if _from_dcp.is_dcp(directory) and not os.path.exists(os.path.join(directory, _files.MANIFEST)):
+    if _which_checkpoint.reads_dcp(directory, _files.MANIFEST):
         return _pipeline_dcp.prepare(directory, held, scaler, strict, trusted)
     manifest, digest = _files.read_manifest_and_digest(directory)
     stages, reader = _stages(manifest), _Reader(directory, manifest, trusted)

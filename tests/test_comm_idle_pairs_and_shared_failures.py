@@ -14,6 +14,13 @@
   says so. Before, it read as a plain timeout, a peer that never joined.
 * A rank whose peer gave up first and closed the connection names that peer and the peer's own
   error. Before, it reported gloo's bare "Connection closed by peer ... remote worker crashing".
+  So does a launch that posts its receives after the peer closed the connection.
+* An asynchronous exchange that fails in the progress thread, never waited for, stops the group's
+  other communicators at once. Before, the failure was recorded only when the failing
+  communicator's ``aborted`` was next read.
+* A part empty on one rank only, under a monitor: both ranks fail within seconds naming both parts
+  (the divergence probe, run for a synchronous exchange from the watcher thread). Before, at the
+  timeout.
 """
 
 import threading
@@ -108,6 +115,29 @@ def _two_communicators_one_group(rank, world):
     return outcome, time.monotonic() - start
 
 
+def _failed_in_the_background(rank, world):
+    """An asynchronous all-gather of one communicator fails in its progress thread (parts of
+    different sizes) while nobody waits for it; another communicator of the group is then used."""
+    import torch.distributed as dist
+
+    from fusedist.comm import CollectiveError, get_communicator
+    from fusedist.comm.torch_comm import TorchCommunicator
+
+    group = dist.new_group(list(range(world)))
+    first, second = get_communicator(group), TorchCommunicator(group)
+    x = torch.ones(2 if rank == 0 else 3)
+    handle = first.all_gather(torch.empty(world * x.numel()), x, tag="unwaited", async_op=True)
+    while not handle.is_completed():  # (the progress thread gives up at the timeout, 1 s)
+        time.sleep(0.05)
+    start = time.monotonic()
+    try:
+        second.all_reduce(torch.ones(4), tag="after")
+        outcome = "no error"
+    except CollectiveError as exc:
+        outcome = str(exc)
+    return outcome, time.monotonic() - start
+
+
 def _destroyed_while_waiting(rank, world):
     """Rank 0 waits for an all-gather rank 1 never joins; another thread destroys the group."""
     import torch.distributed as dist
@@ -155,11 +185,58 @@ def _closed_by_the_peer(rank, world):
     return outcome, time.monotonic() - start
 
 
+def _late_after_the_peer_closed(rank, world):
+    """Rank 1 gives up an all-gather rank 0 has not joined yet (1 s) and closes the connection;
+    rank 0 then launches it."""
+    import torch.distributed as dist
+
+    from fusedist.comm import CollectiveError, get_communicator
+
+    comm = get_communicator(dist.new_group(list(range(world))))
+    if rank == 0:
+        dist.barrier()  # (the default group: rank 1 gets here once it gave up)
+    start, outcome = time.monotonic(), "no error"
+    try:
+        comm.all_gather(torch.empty(world * 2), torch.ones(2), tag="late")
+    except CollectiveError as exc:
+        outcome = str(exc)
+    elapsed = time.monotonic() - start
+    if rank == 1:
+        dist.barrier()
+    return outcome, elapsed, comm.aborted
+
+
+def _empty_on_one_rank(rank, world):
+    """An all-gather whose part is empty on rank 0 only, under a monitor (as DDP, ZeRO and SyncBatchNorm
+    attach), with a communicator timeout of 60 s and the divergence probe after 0.5 s."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fusedist.comm import CollectiveError, get_communicator
+    from fusedist.reliability import attach_monitor
+
+    comm = get_communicator(dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60)))
+    comm.timeout = datetime.timedelta(seconds=60)
+    attach_monitor(comm).probe_delay_s = 0.5
+    x = torch.ones(3 * rank)
+    start, outcome = time.monotonic(), "no error"
+    try:
+        comm.all_gather(torch.empty(world * x.numel()), x, tag="rows")
+    except CollectiveError as exc:
+        outcome = str(exc)
+    return outcome, time.monotonic() - start
+
+
 SCENARIOS = {
     "test_pairs_with_rows_one_way_send_only_those": {"one_way": (_one_way_rows, (3,))},
     "test_ranks_that_disagree_on_the_rows_back_fail_on_both": {"disagree": (_disagreeing_back, (4,))},
     "test_a_failure_of_one_communicator_stops_the_others_of_its_group": {
         "two_comms": (_two_communicators_one_group, ())},
+    "test_a_background_failure_stops_the_other_communicators_at_once": {
+        "background": (_failed_in_the_background, ())},
+    "test_a_receive_posted_after_the_peer_closed_names_the_peer": {"late": (_late_after_the_peer_closed, ())},
+    "test_an_empty_part_on_one_rank_fails_promptly_naming_both_parts": {"empty": (_empty_on_one_rank, ())},
     "test_a_group_destroyed_during_a_wait_is_named": {"destroyed": (_destroyed_while_waiting, ())},
     "test_a_connection_the_peer_closed_names_the_peer_and_its_error": {"closed": (_closed_by_the_peer, ())},
 }
@@ -207,3 +284,30 @@ def test_a_connection_the_peer_closed_names_the_peer_and_its_error(launched):
     assert "[2 x torch.float32 per rank]" in outcome1 and "[3 x torch.float32 per rank]" in outcome1, outcome1
     assert "fusedist's collective timeout" not in outcome1, outcome1
     assert elapsed1 < 8, elapsed1  # (its own timeout: 10 s)
+
+
+def test_a_background_failure_stops_the_other_communicators_at_once(launched):
+    for rank, (outcome, elapsed) in enumerate(results_of(launched, "background")):
+        assert "can no longer run collectives" in outcome, (rank, outcome)
+        assert "unwaited" in outcome or "all_gather" in outcome, (rank, outcome)
+        assert "another communicator of this process group" in outcome, (rank, outcome)
+        assert elapsed < 0.5, (rank, elapsed)  # refused at the launch, not at a timeout
+
+
+def test_a_receive_posted_after_the_peer_closed_names_the_peer(launched):
+    (outcome0, elapsed0, aborted0), (outcome1, _, aborted1) = results_of(launched, "late")
+    assert "timed out" in outcome1 and aborted1, outcome1
+    # rank 0's launch finds the connection closed: it names rank 1 and rank 1's own error, not gloo's bare
+    # "Connection closed by peer ... remote worker crashing", and the group is given up
+    assert "posting the receive from rank 1 failed: rank 1 closed the connection because its side of a " \
+           "collective failed first" in outcome0, outcome0
+    assert "receiving chunk 0 from rank 0 did not complete" in outcome0 and "crashing" not in outcome0, outcome0
+    assert aborted0 and elapsed0 < 3, (aborted0, elapsed0)  # (the peer's entry is read at once)
+
+
+def test_an_empty_part_on_one_rank_fails_promptly_naming_both_parts(launched):
+    for rank, (outcome, elapsed) in enumerate(results_of(launched, "empty")):
+        # within seconds (the probe's delay and confirmation, the peer's entry), not at the 60 s timeout
+        assert elapsed < 15, (rank, elapsed, outcome)
+        assert "the same collective with parts of different sizes" in outcome, (rank, outcome)
+        assert "0 x torch.float32 per rank" in outcome and "3 x torch.float32 per rank" in outcome, (rank, outcome)

@@ -488,6 +488,56 @@ def test_converted_model_trains_like_global_batch(launched2):
     assert results_of(launched2, "converted") == [[True, True]] * 2
 
 
+DIVERGED_CASES = ("eval_on_one_rank", "converted_on_one_rank", "fewer_calls_on_one_rank")
+
+
+def _diverged_rank(rank, world_size):
+    """Programs that diverge around a SyncBatchNorm layer -- in eval() on rank 1 only, converted on
+    rank 0 only, run twice on rank 0 and once on rank 1 -- then a metric all-reduce on every rank.
+    Each case on a group of its own (the group is given up after it), with a communicator timeout
+    of 60 s and the divergence probe after 0.5 s. Before, every case ended at the 60 s timeout
+    (torch's SyncBatchNorm hangs until its own)."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from fusedist.comm import CollectiveError, get_communicator
+    from fusedist.reliability import attach_monitor
+
+    out = {}
+    for case in DIVERGED_CASES:
+        group = dist.new_group(list(range(world_size)))
+        comm = get_communicator(group)
+        comm.timeout = datetime.timedelta(seconds=60)
+        attach_monitor(comm).probe_delay_s = 0.5  # (attached by DDP and ZeRO too, and by the layer where it trains)
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        if case != "converted_on_one_rank" or rank == 0:
+            model = SyncBatchNorm.convert_sync_batchnorm(model, process_group=group)
+        if case == "eval_on_one_rank" and rank == 1:
+            model.eval()
+        start, outcome = time.monotonic(), "no error"
+        try:
+            for _ in range(2 if case == "fewer_calls_on_one_rank" and rank == 0 else 1):
+                y = model(torch.randn(3, 4))
+            comm.all_reduce(y.detach().sum().reshape(1), tag="metric")
+        except CollectiveError as exc:
+            outcome = str(exc)
+        out[case] = (outcome, time.monotonic() - start)
+    return out
+
+
+def test_diverged_programs_fail_promptly_naming_both_collectives(launched2):
+    for rank, out in enumerate(results_of(launched2, "diverged")):
+        for case in DIVERGED_CASES:
+            message, elapsed = out[case]
+            # every rank learns within seconds (the probe's delay, its confirmation, the peer's entry), not at 60 s
+            assert elapsed < 15, (rank, case, elapsed, message)
+            assert "collectives that can never pair" in message, (rank, case, message)
+            named = "all_reduce (collective #" in message and "all_gather (collective #" in message
+            assert named, (rank, case, message)
+
+
 # The 2-rank checks share one launch, the one that raises errors involving both ranks last
 # (the group works on after them, which it checks itself); the 3-rank cases have their own.
 @pytest.fixture(scope="module")
@@ -496,6 +546,7 @@ def launched2(request):
         "test_matches_batchnorm_on_global_batch": {"cases": (_cases_rank, (WORLD2_CASES,))},
         "test_converted_model_trains_like_global_batch": {"converted": (_converted_model_rank, ((3, 5),))},
         "test_collectives_and_cross_rank_errors": {"protocol": (_protocol_rank, ())},
+        "test_diverged_programs_fail_promptly_naming_both_collectives": {"diverged": (_diverged_rank, ())},
     }, 2, timeout=360)
 
 

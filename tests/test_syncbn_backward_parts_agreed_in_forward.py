@@ -9,7 +9,9 @@ the global batch summed again over the ranks: 1e-4 of the gradients' largest mag
 absolute). C = 48, so the sums (2 x 48 fp32, 384 bytes) take gloo's own all-reduce, where the
 fingerprints are posted (smaller ones go through the exchange, which labels them instead). A joined
 rank's shadows (fusedist DDP's join(), with empty batches on the rank still training) pass no
-fingerprint either, in step with the active rank. The scenarios share one 2-rank launch.
+fingerprint either, in step with the active rank. A forward kept alive on one rank only, never
+backpropagated, makes both ranks keep the check for the forwards before it. The scenarios share one
+2-rank launch.
 """
 
 from __future__ import annotations
@@ -130,6 +132,33 @@ def _out_of_order(rank, world):
     return counting.count
 
 
+def _kept_on_one_rank(rank, world):
+    """Two training forwards of one layer; rank 0 keeps the second's output alive, never
+    backpropagated, rank 1 drops it; then the first is backpropagated. Both ranks keep the check
+    (a fingerprint each: rank 0 finds a live forward above the first, rank 1 a dead one) and
+    meet in one all-reduce. Before, rank 1 skipped the fingerprint rank 0 waited for, until the
+    timeout."""
+    (layer, _), (ref, _) = _stack(5, 1)
+    counting = _Counting()
+    try:
+        (X, DY), (X2, _) = _batches(6, 2)
+        x = _mine(X, rank).clone().requires_grad_()
+        y = layer(x)
+        kept = [layer(_mine(X2, rank).clone().requires_grad_())]
+        if rank == 1:
+            kept.clear()
+        (y * _mine(DY, rank)).sum().backward()
+        kept.clear()
+    finally:
+        counting.close()
+    x_ref = X.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    (y_ref * DY).sum().backward()
+    ref(X2)  # (the second forward's share of the running statistics)
+    _compare([layer, None], [ref, None], rank, y, y_ref, x, x_ref)
+    return counting.count
+
+
 JOIN_SIZES = {0: [4, 0, 3, 0, 5], 1: [5, 2]}  # rank 1 joins after two batches; rank 0 has empty ones
 
 
@@ -207,6 +236,7 @@ def launched(request):
         "test_in_order_backward_posts_no_fingerprint": {"in_order": (_in_order, ())},
         "test_out_of_order_backward_keeps_the_check": {"out_of_order": (_out_of_order, ())},
         "test_joined_rank_and_empty_batches_match_batchnorm": {"joined": (_joined_with_empty_batches, ())},
+        "test_a_forward_kept_on_one_rank_only_keeps_the_check_on_both": {"kept": (_kept_on_one_rank, ())},
         # (these raise on every rank: last)
         "test_other_momentum_on_one_rank_is_refused_naming_momentum": {"momentum": (_other_momentum_on_one_rank, ())},
         "test_other_width_on_one_rank_is_refused_naming_the_layer": {"width": (_other_width_on_one_rank, ())},
@@ -223,6 +253,10 @@ def test_out_of_order_backward_keeps_the_check(launched):
 
 def test_joined_rank_and_empty_batches_match_batchnorm(launched):
     assert results_of(launched, "joined") == [True, True]
+
+
+def test_a_forward_kept_on_one_rank_only_keeps_the_check_on_both(launched):
+    assert results_of(launched, "kept") == [1, 1]
 
 
 def test_other_width_on_one_rank_is_refused_naming_the_layer(launched):

@@ -303,6 +303,16 @@ class Communicator(abc.ABC):
         [divergence probe] in fusedist/reliability/divergence.py). False by default."""
         return False
 
+    def _watched_waits(self, work) -> bool:
+        """Whether a wait for ``work`` that cannot be sliced is probed from the watcher thread instead (Note
+        [probing waits that cannot be sliced] in watched_wait.py). False by default."""
+        return False
+
+    def _end_watched_wait(self, work, verdict: str) -> bool:
+        """End a watched wait for ``work`` the probe gave up on (``verdict``): its caller's wait fails.
+        False where ``work`` had completed (nothing was ended)."""
+        return False
+
     def _transport_timeout(self, work) -> Optional[float]:
         """Seconds after which the transport itself gives up on ``work`` whatever fusedist's
         timeout (gloo's own collectives: the process group's timeout), or None."""

@@ -89,6 +89,11 @@ class ExchangeWork:
         #: Publishes this exchange's failure and explains a connection a peer closed (Note
         #: [connections a peer closed] in closed_connections.py); None: neither.
         self.closing = None
+        #: Why the divergence probe ended this exchange (Note [probing waits that cannot be sliced] in
+        #: watched_wait.py); None: it did not.
+        self.ended_by: Optional[str] = None
+        #: Told this exchange's failure as it happens (the group then refuses collectives); None: nobody.
+        self.on_given_up: Optional[Callable[[str], None]] = None
 
     def is_completed(self) -> bool:
         return self._finished.is_set()
@@ -136,6 +141,8 @@ class ExchangeWork:
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             _drop_frame_locals(exc)
             self._error = exc
+            if self.on_given_up is not None:
+                self.on_given_up(str(exc))
             if self.closing is not None:
                 self.closing.publish(str(exc))
             # The group refuses collectives from now on (Note [no collectives after a failed exchange]
@@ -156,7 +163,13 @@ class ExchangeWork:
         posted = []
         for post, peer, global_peer, chunk in self._sends:
             self._waiting_for = f"posting the send of chunk {chunk} to {_where(peer, global_peer)}"
-            posted.append((post(), peer, global_peer, chunk))
+            try:
+                posted.append((post(), peer, global_peer, chunk))
+            except Exception as exc:  # noqa: BLE001 - a peer that closed the connection is named, as for a wait
+                why = explained(self.closing, exc, _where(peer, global_peer), global_peer)
+                if why is None:
+                    raise
+                raise PeerClosedConnection(f"{self.op} exchange: {self._waiting_for} failed: {why}") from exc
         for work, peer, global_peer, chunk, complete in self._receives:
             self._wait_one(work, "receiving", peer, global_peer, chunk, deadline)
             if complete is not None:
@@ -175,6 +188,8 @@ class ExchangeWork:
                 raise TimeoutError(f"timed out after {self._timeout_s - (self._deadline - deadline):g} s")
             work.wait(timeout=_remaining(deadline))
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError; say what we waited on
+            if self.ended_by is not None:
+                raise RuntimeError(f"{self.op} exchange: {self._waiting_for} was ended: {self.ended_by}") from exc
             why = explained(self.closing, exc, where, global_peer)
             failed = RuntimeError if why is None else PeerClosedConnection
             raise failed(f"{self.op} exchange: {self._waiting_for} did not complete: {why or exc}") from exc

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import _overlaps
-from .closed_connections import ClosedConnections
+from .closed_connections import ClosedConnections, PeerClosedConnection, explained
 from .exchange_fold import ChunkFold, LandingPool, unrecorded
 from .exchange_progress import ExchangeWork, ProgressThread
 from .exchange_tags import message_tag
@@ -134,6 +134,10 @@ def _offsets(counts: list[int]) -> list[int]:
     return at
 
 
+def _where(peer: int, global_peer: int) -> str:
+    return f"rank {peer}" + (f" (global rank {global_peer})" if global_peer != peer else "")
+
+
 def _as_real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t  # as dist.isend / irecv do
 
@@ -162,6 +166,9 @@ class GlooExchange:
         self._writing: list = []  # (work in flight, tensor it writes): Note [one buffer, issue order]
         self._failed: Optional[str] = None  # Note [no collectives after a failed exchange]
         self._closing = ClosedConnections(self.group, self.global_ranks[rank])
+        #: Told the first failure of an exchange of this group when it happens, from the thread that found it
+        #: (the owner's record of the group's failure: Note [one failure per process group] in torch_comm.py).
+        self.on_failure: Optional[Callable[[str], None]] = None
 
     # ---- public
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str, seq: int,
@@ -361,6 +368,13 @@ class GlooExchange:
                     break
         return self._failed
 
+    def _given_up(self, reason: str) -> None:
+        """Record an exchange's failure when it happens (Note [no collectives after a failed exchange])."""
+        if self._failed is None:
+            self._failed = reason
+        if self.on_failure is not None:
+            self.on_failure(reason)
+
     def _after_writes_to(self, *tensors: torch.Tensor) -> None:
         """Wait for the exchanges in flight that write any of ``tensors`` (Note [one buffer,
         issue order]); forget the finished ones, a failure recorded first. Raises when one has
@@ -388,6 +402,7 @@ class GlooExchange:
     def _writes(self, written: torch.Tensor, work: Optional[ExchangeWork]) -> Optional[ExchangeWork]:
         if work is not None:
             work.closing = self._closing  # (Note [connections a peer closed])
+            work.on_given_up = self._given_up
             self._writing.append((work, written))
         return work
 
@@ -455,7 +470,18 @@ class GlooExchange:
         return functools.partial(self.group.send, [_as_real(tensor)], peer, tag)
 
     def _irecv(self, tensor, peer, tag):
-        return self.group.recv([_as_real(tensor)], peer, tag)
+        try:
+            return self.group.recv([_as_real(tensor)], peer, tag)
+        except Exception as exc:  # noqa: BLE001 - gloo's errors are RuntimeErrors of many kinds
+            # A peer that gave up first closed the connection (Note [connections a peer closed]): name it and
+            # its error, and give the group up, as a wait that found it would.
+            global_peer = self.global_ranks[peer]
+            why = explained(self._closing, exc, _where(peer, global_peer), global_peer)
+            if why is None:
+                raise
+            closed = PeerClosedConnection(f"posting the receive from {_where(peer, global_peer)} failed: {why}")
+            self._given_up(str(closed))
+            raise closed from exc
 
     def _reduction_schedule(self, receives, rows, landing, peer_row, output, op, holder) -> list:
         """Order the receives chunk by chunk, peers in rank order, each with the step that folds
@@ -501,11 +527,14 @@ class GlooExchange:
 # rank's part was empty and another's was not (a shape that depends on the rank), the empty rank
 # returned as if the collective had succeeded -- and went on out of step -- while the other
 # waited out its whole timeout for messages that never came. Now neither pairs and both fail
-# alike at the timeout, each naming its own part, as for any other size mismatch. (Not sooner: the
-# non-empty rank would have to post a receive for the empty rank's news -- a message on every
-# collective -- or poll its receives, and a gloo wait that runs out closes the connection. Where
-# the ranks' timeouts differ, the later one learns at the first one's: Note [connections a peer
-# closed] in closed_connections.py.) Whether a part
+# alike, each naming its own part, as for any other size mismatch: within seconds where a monitor
+# watches the group (DDP, ZeRO and SyncBatchNorm attach one), whose divergence probe finds both ranks
+# blocked with parts of different sizes (Note [probing waits that cannot be sliced] in
+# watched_wait.py), else at the timeout. (Not from the messages themselves: the non-empty rank would
+# have to post a receive for the empty rank's news -- a message on every collective -- or poll its
+# receives, and a gloo wait that runs out closes the connection. Where the ranks' timeouts differ, the
+# later one learns at the first one's: Note [connections a peer closed] in closed_connections.py.)
+# Whether a part
 # is empty can differ across ranks, so even a collective empty on every rank costs its empty
 # messages (one message latency, ~0.35 ms on 2 ranks where it cost nothing), and so does a pair
 # of an all-to-all that exchanges no rows either way (Note [all-to-all pairs without rows]); a non-empty

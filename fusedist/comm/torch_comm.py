@@ -94,6 +94,7 @@ class TorchCommunicator(Communicator):
             raise ValueError(f"gloo_collectives must be one of {gloo_exchange.MODES} or None, got {mode!r}")
         if "gloo" in str(self.backend) and mode == "p2p":
             self.exchange = gloo_exchange.GlooExchange(process_group, self.rank, self.world_size, self.timeout)
+            self.exchange.on_failure = self._group_failed.record  # Note [one failure per process group]
             self._timeout_changed()  # (bounded by the group's own timeout too)
 
     # Note [the exchange ends at the group's timeout]
@@ -244,10 +245,24 @@ class TorchCommunicator(Communicator):
         # exchange is sliced only once its progress thread drives it (a synchronous one is driven
         # by its caller, with one deadline: Note [exchange progress] in exchange_progress.py).
         # A synchronous all-reduce whose parts are agreed first neither (Note [parts agreed before gloo's own
-        # all-reduce] in part_agreement.py).
+        # all-reduce] in part_agreement.py). Those two are probed from a watcher thread instead
+        # (``_watched_waits``: Note [probing waits that cannot be sliced] in watched_wait.py).
         if isinstance(work, AgreedAllReduce):
             return work.launched_first
         return "gloo" in str(self.backend) and (async_op or not isinstance(work, gloo_exchange.ExchangeWork))
+
+    def _watched_waits(self, work) -> bool:
+        # (Note [probing waits that cannot be sliced] in watched_wait.py: a synchronous exchange, a synchronous
+        # all-reduce whose parts are agreed first)
+        return "gloo" in str(self.backend) and isinstance(work, (gloo_exchange.ExchangeWork, AgreedAllReduce))
+
+    def _end_watched_wait(self, work, verdict: str) -> bool:
+        if work.is_completed():
+            return False
+        if isinstance(work, gloo_exchange.ExchangeWork):
+            work.ended_by = verdict  # (what its error, and the entry its peers read, say)
+        _close_connections(self.group, self.rank, self.world_size)
+        return True
 
     def _check_group_alive(self, op: str, tag: str) -> None:
         """Refuse a collective on a process group ``destroy_process_group`` has destroyed, as
@@ -444,7 +459,11 @@ class _GlooReduceScatter:
 # own failure: after one gave up, the other went on launching collectives that failed with gloo's
 # bare "pair closure" or waited out their timeouts. So the first failure of any of them is recorded
 # for the group (keyed weakly by the group object: a destroyed group's record goes with it), and
-# every communicator of the group refuses collectives from then on, naming it.
+# every communicator of the group refuses collectives from then on, naming it. Recorded when the
+# failure happens: an exchange that fails in the progress thread (launched with ``async_op=True``, never
+# waited for yet) tells the group at once, through ``GlooExchange.on_failure``. Before, the record was made
+# only when the failing communicator's ``aborted`` was next read, so another communicator of the group
+# launched on the closed connections in between.
 class _GroupFailure:
     """The first failure of a process group's communicators (None while none failed)."""
 
@@ -452,6 +471,11 @@ class _GroupFailure:
 
     def __init__(self):
         self.reason: Optional[str] = None
+
+    def record(self, reason: str) -> None:
+        """Keep ``reason`` unless an earlier failure was recorded (the first one counts)."""
+        if self.reason is None:
+            self.reason = reason
 
 
 _GROUP_FAILURES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -17,13 +17,20 @@ layers a rank forwarded run in the reverse order of those forwards -- unless a r
 skips a layer (its loss does not use that output) or runs separate graphs in another order.
 
 So each communicator keeps the training forwards whose backward will all-reduce, as a stack of
-weak tokens (a token dies with its autograd graph: a forward that is never backpropagated leaves
-nothing behind). A backward whose layer is the latest live entry -- the order every rank's
-forwards agreed on -- passes ``parts_checked=True``; any other all-reduce keeps the check (a layer
-out of order on every rank alike still works, at the old cost). The ranks' stacks evolve alike
-because their forwards were agreed, so they pass the same value. A joined rank's shadows
-(fusedist/ddp/join.py) replay the active ranks' backwards in exactly this reverse order and pass
-True too.
+weak tokens (a token dies with its autograd graph). A backward whose layer is the latest live entry
+-- the order every rank's forwards agreed on -- passes ``parts_checked=True``; any other all-reduce
+keeps the check (a layer out of order on every rank alike still works, at the old cost). A joined
+rank's shadows (fusedist/ddp/join.py) replay the active ranks' backwards in exactly this reverse
+order and pass True too.
+
+The forwards are agreed, but what each rank keeps of them is not: a forward whose graph dies
+without a backward on one rank (its output dropped) may stay alive on another (its output kept, never
+backpropagated). An earlier forward's backward then found the live one above it on that rank (and
+kept the check, posting a fingerprint) and nothing above it on the other (and launched gloo's
+all-reduce at once): the ranks waited for each other until the timeout. So a dead token taints the
+entries below it -- the ones whose "latest live entry" test another rank may answer differently --
+and a tainted entry's backward keeps the check. Entries above a dead one are unaffected: every rank
+has them above it, whatever it kept.
 """
 
 from __future__ import annotations
@@ -37,7 +44,28 @@ class OrderToken:
     __slots__ = ("__weakref__",)
 
 
-_pending: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # communicator -> [weakref(OrderToken)]
+class _Entry:
+    """A stack entry: the token, weakly, and whether a dead token was found above it."""
+
+    __slots__ = ("ref", "tainted")
+
+    def __init__(self, token: OrderToken):
+        self.ref, self.tainted = weakref.ref(token), False
+
+
+_pending: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # communicator -> [_Entry]
+
+
+def _prune(stack: list) -> None:
+    """Drop the dead entries (graphs freed without a backward), tainting every entry below one."""
+    kept, dead_above = [], False
+    for entry in reversed(stack):
+        if entry.ref() is None:
+            dead_above = True
+            continue
+        entry.tainted = entry.tainted or dead_above
+        kept.append(entry)
+    stack[:] = kept[::-1]
 
 
 def forwarded(comm) -> OrderToken:
@@ -47,22 +75,27 @@ def forwarded(comm) -> OrderToken:
     if stack is None:
         stack = _pending[comm] = []
     else:
-        stack[:] = [ref for ref in stack if ref() is not None]  # graphs freed without a backward
+        _prune(stack)
     token = OrderToken()
-    stack.append(weakref.ref(token))
+    stack.append(_Entry(token))
     return token
 
 
 def in_forward_order(comm, token) -> bool:
-    """Whether ``token``'s backward runs in the reverse order of the agreed forwards (it is the
-    latest live entry); takes it off the stack either way."""
+    """Whether ``token``'s backward runs in the reverse order of the agreed forwards on every rank
+    (it is the latest live entry, and no forward above it died here without a backward); takes it
+    off the stack either way."""
     stack = _pending.get(comm)
     if stack is None or token is None:
         return False
-    while stack and stack[-1]() is None:
+    dead_above = False
+    while stack and stack[-1].ref() is None:  # (the top only: deeper dead entries taint when they get there)
         stack.pop()
-    if stack and stack[-1]() is token:
-        stack.pop()
-        return True
-    stack[:] = [ref for ref in stack if ref() is not None and ref() is not token]
+        dead_above = True
+    if dead_above and stack:
+        stack[-1].tainted = True
+    if stack and stack[-1].ref() is token:
+        return not stack.pop().tainted
+    _prune(stack)
+    stack[:] = [entry for entry in stack if entry.ref() is not token]
     return False

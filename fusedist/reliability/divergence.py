@@ -28,9 +28,10 @@ delay (one comparison; a DDP step measured the same with the probe on and off); 
 write and a read per peer every ``PROBE_EVERY_S``, and the entry is withdrawn when the wait ends.
 The store's timeout is left alone (training may be healthy). Only waits that can be sliced without
 disturbing the collective are probed that way: gloo's own works and the gloo exchange's asynchronous
-ones (a synchronous exchange is driven by its caller with one deadline). A direct-NCCL wait does
-not block the host: there the communicator's watchdog probes its oldest pending collective instead,
-with the same probe (Note [probing stream-ordered waits for divergence] in
+ones; synchronous exchanges and synchronous agreed all-reduces, which cannot be sliced, are probed from
+a watcher thread (Note [probing waits that cannot be sliced] in fusedist/comm/watched_wait.py). A
+direct-NCCL wait does not block the host: there the communicator's watchdog probes its oldest
+pending collective instead, with the same probe (Note [probing stream-ordered waits for divergence] in
 fusedist/comm/watchdog.py); a torch-NCCL wait is not probed. After the verdict the collectives left
 pending still run until their deadline (a gloo transfer cannot be cancelled); when the error reaches
 the top of the program, or the program that caught it calls ``sys.exit(n)``, the process ends at

@@ -13,8 +13,15 @@
   timeout (``FUSEDIST_TIMEOUT_S``, 15 s here).
 * Without DDP, an optimizer that held frozen parameters compares the ranks' sharded parameters in
   the GradScaler's found-inf / norm all-reduce, not in an all-reduce of its own (Note [one
-  comparison a step] in fusedist/zero/grow.py), with the same detection; ``gradient_slices()``
-  compares too (it joined a parameter unfrozen on one rank alone, silently).
+  comparison a step] in fusedist/zero/trainable_check.py), with the same detection;
+  ``gradient_slices()`` compares too (it joined a parameter unfrozen on one rank alone, silently).
+  A parameter unfrozen on one rank joins only after the comparison: the refusal leaves every
+  rank's optimizer as it was (the unfreezing rank had grown its partition, and the run could not
+  go on), and training goes on as torch's AdamW once the rank freezes it again (Note [parameters
+  join after the comparison]). Where reading the verdict would synchronize with an accelerator
+  (simulated here), no comparison result is read on the host in a step where nothing joins; a
+  step whose ranks differ applies nothing, and the next step raises on every rank (Note [the
+  comparison read without a synchronization]); the run trains as torch's AdamW otherwise.
 * A stage-1 optimizer following a module wrapped again is seen through a framework wrapper that
   copied its ``__dict__`` with its new DDP model (``ddp`` is shared state), and steps from the
   newer wrapper's gradient buckets, without a copy of its own (Note [the buckets of a newer
@@ -206,6 +213,181 @@ class _CopyingWrapper:
         return self._optimizer.step(closure)
 
 
+def _scaled_step(m, o, s, x, y, world, only=None):
+    """One step with a GradScaler, the gradients of ``only`` (default all) averaged over the ranks."""
+    o.zero_grad()
+    s.scale(nn.functional.mse_loss(m(x), y)).backward()
+    _average(m if only is None else only, world)
+    s.unscale_(o)
+    s.step(o)
+    s.update()
+
+
+def _zero_state(opt):
+    """What a refused step must leave as it was: the sharded set, the shard sizes, the inner state."""
+    inner = torch.cat([v.detach().reshape(-1).float() for st in opt.inner.state.values() for v in st.values()
+                       if isinstance(v, torch.Tensor)])
+    return list(opt._trainable), dict(opt._partition.shard_numel), inner.clone()
+
+
+def _same_state(a, b):
+    return a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def _refused_unfreeze_changes_nothing(rank, world, seed):
+    """No DDP, head frozen at construction: rank 1 unfreezes it alone before unscale_, which is
+    refused on both ranks; every rank's optimizer is as it was, and once rank 1 freezes it again
+    both train on as torch's AdamW (which never saw the refused step)."""
+    import fusedist
+
+    ref, model = _net(seed), _net(seed)
+    for m in (ref, model):
+        m[2].requires_grad_(False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = fusedist.ZeroRedundancyOptimizer(list(model.parameters()), torch.optim.AdamW, lr=0.01)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6)
+    scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 6)
+    x, y = _batch(seed, 0, rank)
+    for m, o, s in ((ref, ref_opt, ref_scaler), (model, opt, scaler)):
+        _scaled_step(m, o, s, x, y, world)
+    out = {}
+    if rank == 1:
+        model[2].requires_grad_(True)
+    x, y = _batch(seed, 1, rank)
+    opt.zero_grad()
+    before, weights = _zero_state(opt), _flat(model).clone()
+    scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+    _average(model[0], world)  # (the body: the gradients both ranks have)
+    out["refused"] = models.raised_timed(lambda: scaler.unscale_(opt))
+    out["unchanged"] = _same_state(before, _zero_state(opt)) and torch.equal(weights, _flat(model))
+    model[2].requires_grad_(False)
+    model[2].weight.grad = model[2].bias.grad = None
+    scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 6)  # (the refused unscale_ left it mid-step)
+    diffs = []
+    for step in (2, 3):
+        x, y = _batch(seed, step, rank)
+        for m, o, s in ((ref, ref_opt, ref_scaler), (model, opt, scaler)):
+            _scaled_step(m, o, s, x, y, world)
+        diffs.append((_flat(model) - _flat(ref)).abs().max().item())
+    out["diffs"] = diffs
+    return out
+
+
+_HOST_READS = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+               torch.Tensor.__float__, torch.Tensor.__index__)
+
+
+class _ComparisonReads(torch.overrides.TorchFunctionMode):
+    """Counts host reads (``tolist``, ``item``, ``bool`` ...) of what the optimizer's all-reduces
+    wrote and of what is computed from it, while ``window`` is open: each one would synchronize
+    the host with an accelerator."""
+
+    def __init__(self):
+        super().__init__()
+        self.tainted, self.window, self.reads = {}, 0, 0
+
+    def taint(self, t):
+        self.tainted[id(t)] = t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hit = any(isinstance(a, torch.Tensor) and id(a) in self.tainted for a in (*args, *kwargs.values()))
+        if hit and self.window and func in _HOST_READS:
+            self.reads += 1
+        out = func(*args, **kwargs)
+        if hit:
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor):
+                    self.taint(o)
+        return out
+
+
+def _opening(reads, fn):
+    def opened(*args, **kwargs):
+        reads.window += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            reads.window -= 1
+    return opened
+
+
+def _verdict_on_the_device(rank, world, seed):
+    """As on an accelerator (reading the comparison's verdict would synchronize): steps without
+    and with a GradScaler read no comparison result in the comparing calls where nothing joins,
+    and train as torch's AdamW, the head unfrozen on every rank at step 3; then the head of a
+    fresh optimizer unfrozen on rank 1 only: that step applies nothing and grows nothing, and the
+    next step is refused on every rank."""
+    import fusedist
+    from fusedist.zero import grow, trainable_check
+
+    cls = fusedist.ZeroRedundancyOptimizer
+    saved = trainable_check.reads_for_free, grow.join_pending, cls._fusedist_reduce_found_inf_and_norm
+    reads = _ComparisonReads()
+    trainable_check.reads_for_free = lambda flag: False
+    grow.join_pending = _opening(reads, saved[1])
+    cls._fusedist_reduce_found_inf_and_norm = _opening(reads, saved[2])
+    out = {"reads": []}
+    try:
+        ref, model = _net(seed), _net(seed)
+        for m in (ref, model):
+            m[2].requires_grad_(False)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+        opt = cls(list(model.parameters()), torch.optim.AdamW, lr=0.01)
+        original = opt.comm.all_reduce
+
+        def all_reduce(tensor, *args, **kwargs):
+            result = original(tensor, *args, **kwargs)
+            reads.taint(tensor)
+            return result
+
+        opt.comm.all_reduce = all_reduce
+        ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6)
+        scaler = fusedist.amp.GradScaler("cpu", init_scale=2.0 ** 6)
+        diffs = []
+        with reads:
+            for step in range(5):
+                if step == 3:
+                    for m in (ref, model):
+                        m[2].requires_grad_(True)
+                x, y = _batch(seed, step, rank)
+                reads.reads, reads.tainted = 0, {}
+                for m, o, s in ((ref, ref_opt, ref_scaler), (model, opt, scaler)):
+                    if step < 2:
+                        o.zero_grad()
+                        nn.functional.mse_loss(m(x), y).backward()
+                        _average(m, world)
+                        o.step()
+                    else:
+                        _scaled_step(m, o, s, x, y, world)
+                out["reads"].append(reads.reads)
+                diffs.append((_flat(model) - _flat(ref)).abs().max().item())
+        out["diffs"] = diffs
+
+        model = _net(seed)
+        model[2].requires_grad_(False)
+        opt = cls(list(model.parameters()), torch.optim.AdamW, lr=0.01)
+        x, y = _batch(seed, 0, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        _average(model, world)
+        opt.step()
+        if rank == 1:
+            model[2].requires_grad_(True)
+        opt.zero_grad()
+        before, weights = _zero_state(opt), _flat(model).clone()
+        nn.functional.mse_loss(model(x), y).backward()
+        _average(model[0], world)
+        out["compared"] = models.raised_timed(opt.step)[0]
+        out["unchanged"] = _same_state(before, _zero_state(opt)) and torch.equal(weights, _flat(model))
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        _average(model[0], world)
+        out["next step"] = models.raised_timed(opt.step)
+    finally:
+        trainable_check.reads_for_free, grow.join_pending, cls._fusedist_reduce_found_inf_and_norm = saved
+    return out
+
+
 def _followed_wrapper(rank, world, seed):
     import fusedist
 
@@ -235,6 +417,10 @@ SCENARIOS = {
     "test_stage2_takes_torchs_recipe_of_a_subset_then_add_param_group": {"recipe": (_stage2_recipe, (SEED,))},
     "test_empty_parameter_list_on_one_rank_fails_every_rank_at_once": {"empty": (_empty_on_one_rank, (SEED,))},
     "test_trainable_comparison_rides_the_found_inf_all_reduce": {"scaled": (_scaled_without_ddp, (SEED,))},
+    "test_parameter_unfrozen_on_one_rank_is_refused_before_it_joins": {
+        "refused unfreeze": (_refused_unfreeze_changes_nothing, (SEED,))},
+    "test_comparison_verdict_kept_on_the_device_until_the_next_step": {
+        "device verdict": (_verdict_on_the_device, (SEED,))},
     "test_optimizer_following_a_rewrapped_module_shares_ddp_and_its_buckets": {
         "followed": (_followed_wrapper, (SEED,))},
 }
@@ -273,6 +459,29 @@ def test_trainable_comparison_rides_the_found_inf_all_reduce(launched):
             assert seconds < PROMPT_S, (rank, name, seconds, error)
             assert error is not None and error.startswith("RankMismatchError"), (rank, name, error)
             assert "ranks [1]: parameter 2 (shape (3, 7)) trainable" in error, (name, error)
+
+
+def test_parameter_unfrozen_on_one_rank_is_refused_before_it_joins(launched):
+    for rank, out in enumerate(results_of(launched, "refused unfreeze")):
+        error, seconds = out["refused"]
+        assert seconds < PROMPT_S, (rank, seconds, error)
+        assert error is not None and error.startswith("RankMismatchError"), (rank, error)
+        assert "ranks [1]: parameter 2 (shape (3, 7)) trainable" in error, error
+        assert out["unchanged"], f"rank {rank}: the refused unscale_ changed the optimizer"
+        assert max(out["diffs"]) < TOL, (rank, out["diffs"])
+
+
+def test_comparison_verdict_kept_on_the_device_until_the_next_step(launched):
+    for rank, out in enumerate(results_of(launched, "device verdict")):
+        # no host read of a comparison result where nothing joins (step 3 joins the head: read once)
+        assert [out["reads"][i] for i in (0, 1, 2, 4)] == [0, 0, 0, 0], (rank, out["reads"])
+        assert max(out["diffs"]) < TOL, (rank, out["diffs"])
+        assert out["compared"] is None, (rank, out["compared"])
+        assert out["unchanged"], f"rank {rank}: the step whose ranks differ changed the optimizer"
+        error, seconds = out["next step"]
+        assert seconds < PROMPT_S, (rank, seconds, error)
+        assert error is not None and error.startswith("RankMismatchError"), (rank, error)
+        assert "ranks [1]: parameter 2 (shape (3, 7)) trainable" in error, error
 
 
 def test_optimizer_following_a_rewrapped_module_shares_ddp_and_its_buckets(launched):

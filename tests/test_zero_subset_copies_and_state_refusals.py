@@ -4,10 +4,13 @@ seed is in every assertion message):
 * optimizers over a subset of a fusedist DDP model's parameters (two optimizers over two parts,
   the part still trained after another was frozen once the model was wrapped) train as torch's
   ZeroRedundancyOptimizer over the same subsets of torch's DDP model; stage 2 over a subset is
-  refused naming the missing parameters (they were all refused);
+  refused naming the missing parameters (they were all refused) -- before any backward too, ahead
+  of the reliability guard's "step() before any backward" (Note [a sharded optimizer's refusals
+  before the step hooks] in fusedist/zero/step_refusals.py);
 * ``state_dict()["state"]`` before ``consolidate_state_dict`` raises a clear error (a KeyError and
   a RuntimeError) saying to consolidate, where torch raises a RuntimeError (it was a bare
-  ``KeyError: 'state'``); the shard still saves and loads (``torch.load(weights_only=True)`` too);
+  ``KeyError: 'state'``); the shard still saves and loads (``torch.load(weights_only=True)`` too,
+  without fusedist imported: it comes back a plain dict);
 * ``copy.deepcopy`` / ``copy.copy`` of the optimizer are refused (the copy was hollow and failed at
   its first step; torch's copy fails at first use too), and the original still trains as torch's;
 * the shards of an optimizer over ``torch.optim.AdamW`` load into one over
@@ -98,6 +101,7 @@ def _subsets(rank, world, seed):
     other = fusedist.DistributedDataParallel(_net(seed))
     part = fusedist.ZeroRedundancyOptimizer(other.module[2].parameters(), optimizer_class=torch.optim.Adam,
                                             lr=0.01, stage=2)
+    out["stage 2 before backward"] = raised(part.step)  # (its own refusal first, not the reliability guard's)
     other(torch.randn(2, 5)).sum().backward()
     out["stage 2"] = raised(part.step)  # (stage 2 starts once add_param_group adds the rest)
     return out
@@ -292,6 +296,7 @@ def test_subsets_of_a_ddp_model_train_as_torch_and_stage2_is_refused(launched):
         assert out["trained part"] <= TOL, where
         assert out["stage 2"].startswith("RuntimeError: ZeroRedundancyOptimizer(stage=2) (rank"), where
         assert "subset" in out["stage 2"] and "'0.weight'" in out["stage 2"], where
+        assert out["stage 2 before backward"] == out["stage 2"], where
 
 
 def test_unconsolidated_state_and_copies_refused_clearly(launched):

@@ -64,6 +64,7 @@ class LoadedStateMixin:
             # the class default, Note [param groups in torch's keys]): this optimizer's setting.
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+        self._drop_own_keys_at_default()
         id_map = {
             old_id: p
             for old_group, group in zip(saved_groups, self.param_groups)
@@ -79,6 +80,21 @@ class LoadedStateMixin:
         self._fusedist_reset_bookkeeping()
         for hook in post_hooks.values():
             hook(self)
+
+    def _drop_own_keys_at_default(self) -> None:
+        """Older checkpoints spelled out fusedist-only settings at their defaults
+        (``master_weights: False``); torch's loader copies every saved key, so they came back into
+        the groups, and every later save carried keys torch's optimizers never hold. A loaded group
+        holds them as a constructed one does: only where they differ from the default (Note [param
+        groups in torch's keys]) -- unless this optimizer was built with another default, which a
+        missing key would read."""
+        own = self._own_group_defaults
+        for key, default in own.items():
+            if key in self.defaults and not _same(self.defaults[key], default):
+                continue
+            for group in self.param_groups:
+                if key in group and _same(group[key], default):
+                    del group[key]
 
     def _check_loadable(self, saved_groups: list, saved_state: dict) -> None:
         """Every check of :meth:`load_state_dict` that can fail, on the saved groups merged
@@ -129,3 +145,10 @@ class LoadedStateMixin:
             dtype = torch.float32 if key == "master_param" else state_dtype_of(p)
             return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
         return value.detach().to(device=p.device, copy=True)
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a tensor-valued setting is never the default
+        return False

@@ -173,7 +173,10 @@ class GradientsMixin:
             "sparse=False, or give this parameter to an optimizer of its own outside ZeroRedundancyOptimizer.")
 
     def _check_frozen_grads(self) -> None:
-        for i in self._frozen:
+        kept = self._trainable_verdict is not None  # (a parameter refused with the other ranks at the next step:
+        for i in self._frozen:                      # Note [the comparison read without a synchronization])
+            if kept and self._params[i].requires_grad:
+                continue
             grad = self._params[i].grad
             if grad is not None and grad.is_sparse:
                 raise self._sparse_grad_error(i)
@@ -229,8 +232,8 @@ class GradientsMixin:
         (scaled while a GradScaler's unscale is pending: ``step_context.inv_scale``), stage
         1's of ``p.grad``. The same parameters in the same order on every rank, so a caller
         can all-reduce one number per pair; a collective where parameters may have joined
-        since the last step (Note [parameters unfrozen on some ranks only] in grow.py)."""
-        # As the scaler's check: every rank calls it (Note [one comparison a step] in grow.py).
+        since the last step (Note [parameters unfrozen on some ranks only] in trainable_check.py)."""
+        # As the scaler's check: every rank calls it (Note [one comparison a step] in trainable_check.py).
         grow.join_pending(self, compare=True)
         self._zero_fill_without_backward()
         if self.stage == 2:

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from ..ddp.layout import append_buckets
 from ..ownership import register_gradient_holder
-from . import deferred_stage2, param_checks
+from . import deferred_stage2, param_checks, trainable_check
 from . import state as zstate
 from .offload import check_offload_config
 from .shard_store import ShardStore, bucket_grad_slice
@@ -116,19 +116,58 @@ def add_param_group(zero, param_group: dict) -> None:
 
 def join_pending(zero, compare: bool = False, force: bool = False) -> None:
     """Shard what should be sharded now and is not (Note [growing the partition]). ``compare``:
-    called where every rank calls it, compare the sharded parameters across ranks first (Note
-    [parameters unfrozen on some ranks only]) -- unless they were compared in this step already
-    (Note [one comparison a step]), in which case nothing joins until the next step.
+    called where every rank calls it, compare the sharded parameters across ranks first, and join
+    only where they agree (Note [parameters unfrozen on some ranks only] in trainable_check.py) --
+    unless they were compared in this step already (Note [one comparison a step]), in which case
+    nothing joins until the next step. Without ``compare``, where the ranks compare, nothing joins:
+    the comparison point does (Note [parameters join after the comparison]).
     ``force``: join and compare whatever was compared before (``add_param_group``)."""
     if zero.ddp is not None:
         return  # DDP's layout listener (on_layout_change) took them on when DDP appended them
     if zero._sharded_compared and not force:
         return  # Note [one comparison a step]: what is unfrozen since joins at the next step
-    joining = [i for i in zero._frozen if zero._params[i].requires_grad]
-    if compare or force:
-        _check_same_sharded(zero, sorted(zero._trainable + joining))
+    compared = trainable_check.compares(zero)
+    if not (compare or force):
+        if not compared:
+            joining = pending(zero)
+            if joining:
+                _join(zero, joining)
+        return
+    if not zero._sharded_compared:
+        trainable_check.settle(zero)  # an earlier step's verdict, kept on the device
+    joining = pending(zero)
+    if compared:
+        sharded = sorted(zero._trainable + joining)
+        if not trainable_check.conclude(zero, trainable_check.compare_own(zero, sharded), sharded, joining):
+            return
     if joining:
         _join(zero, joining)
+
+
+def pending(zero) -> list:
+    """The parameters that wait to join: frozen when last sharded, trainable now."""
+    return [i for i in zero._frozen if zero._params[i].requires_grad]
+
+
+def awaiting(zero) -> list:
+    """The parameters waiting to join at this step's comparison (Note [parameters join after the
+    comparison]): the same on every rank that compares alike."""
+    if zero.ddp is not None or zero._sharded_compared or not trainable_check.compares(zero):
+        return []
+    return pending(zero)
+
+
+def awaiting_with_grad(zero) -> bool:
+    return any(zero._params[i].grad is not None for i in awaiting(zero))
+
+
+def awaiting_grads(zero) -> list:
+    """The gradients of the parameters waiting to join at this step's comparison, whole, on rank 0
+    only: what the norm and found-inf check read of them before they have slices (Note
+    [parameters join after the comparison])."""
+    if zero.rank != 0:
+        return []
+    return [g for g in (zero._params[i].grad for i in awaiting(zero)) if g is not None]
 
 
 def _join(zero, joining: list) -> None:
@@ -138,97 +177,31 @@ def _join(zero, joining: list) -> None:
     _grow(zero, buckets)
 
 
-# Note [parameters unfrozen on some ranks only]
-#     Without DDP nothing compared which parameters are trainable after construction: a
-#     parameter unfrozen on one rank only (a schedule read per host, a rank that missed the
-#     epoch that unfreezes) joined there alone, that rank's flat space grew, and its next
-#     all-gather met the others' of another size -- they waited until the stall timeout. So
-#     where every rank calls ``join_pending`` (``step()``, the scaler's and the clip's norm, which
-#     all-reduce anyway, ``gradient_slices()`` and ``add_param_group``) the ranks compare the
-#     parameters they shard once the pending ones joined, a fingerprint (their count and hash)
-#     per rank; only where they differ do the ranks exchange the lists, to raise the same
-#     RankMismatchError naming the parameters and ranks on every rank. The sharded set, not the
-#     joiners, is compared: a rank may have taken a parameter on already in a call that compares
-#     nothing (a local gradient read). Under ``Join`` (uneven inputs) a joined rank shadows only
-#     the step's own collectives, so nothing is compared there. Nor where no parameter of the
-#     optimizer was ever frozen (``_may_grow``: set at construction and by ``add_param_group``,
-#     both compared across ranks, and never cleared, so it is the same on every rank): nothing
-#     can join there, and the step pays no collective or host synchronization.
-#
-# Note [one comparison a step]
-#     The comparison costs a collective and a host read of its result. The scaler's found-inf
-#     check and the clip's norm all-reduce two numbers anyway: the fingerprint rides in that
-#     all-reduce (:func:`fingerprint_entries`, read back by :func:`check_fingerprint_sums`), and
-#     once the ranks compared in a step, the later points of the same step (``gradient_slices()``,
-#     ``step()`` itself) compare nothing and join nothing: parameters unfrozen after the comparison
-#     join at the next step's first point (they have no gradient in this one: the backward ran
-#     before). Whether a step compared is the same on every rank (every rank calls the scaler,
-#     clip and step alike), so the ranks issue the same collectives. A step without a scaler, a
-#     clip or a gradient-norm read compares in ``step()`` with a small all-reduce of its own.
-def _compares(zero) -> bool:
-    """Whether the ranks compare their sharded parameters (Note [parameters unfrozen on some ranks only])."""
-    return zero.comm is not None and zero.world_size > 1 and not zero._join_config.enable and zero._may_grow
-
-
-_OP = "ZeroRedundancyOptimizer: trainable parameter check"
-_KEY_BITS = 20  # each key and its square summed over up to 8192 ranks stay exact in float64
-
-
-def _keys(sharded: list) -> list:
-    """The fingerprint of the sharded set: its count and a 60-bit hash, as keys of 20 bits."""
-    h = hash(tuple(sharded)) % (1 << 60)
-    mask = (1 << _KEY_BITS) - 1
-    return [len(sharded) & mask] + [(h >> (_KEY_BITS * k)) & mask for k in range(3)]
-
-
 def fingerprint_entries(zero) -> list:
-    """Join the pending parameters; the numbers this rank adds to the found-inf and norm
-    all-reduce (a sum) so that it compares the sharded parameters too, or [] where nothing is
-    compared (Note [one comparison a step])."""
+    """The numbers this rank adds to the found-inf and norm all-reduce (a sum) so that it compares
+    the sharded parameters too -- with the pending ones, which join once the sums agree (Note
+    [parameters join after the comparison]) -- or [] where nothing is compared (Note [one
+    comparison a step]; the pending ones join at once where the ranks compare nothing)."""
     if zero.ddp is not None:
         return []
-    join_pending(zero)
-    if zero._sharded_compared or not _compares(zero):
+    if zero._sharded_compared or not trainable_check.compares(zero):
+        join_pending(zero)
         return []
-    keys = _keys(list(zero._trainable))
+    trainable_check.settle(zero)  # an earlier step's verdict, kept on the device
+    keys = trainable_check.keys(sorted(zero._trainable + pending(zero)))
     return [float(k) for k in keys] + [float(k * k) for k in keys]
 
 
-def check_fingerprint_sums(zero, sums: list) -> None:
-    """After the all-reduce that carried :func:`fingerprint_entries`: every rank's keys are equal
-    iff, for each, ``world * sum(k^2) == sum(k)^2``; else raise on every rank."""
-    n = len(sums) // 2
-    totals, squares = [int(v) for v in sums[:n]], [int(v) for v in sums[n:]]
-    if any(zero.world_size * q != t * t for t, q in zip(totals, squares)):
-        _raise_different(zero, list(zero._trainable))
-    zero._sharded_compared = True
-
-
-def _check_same_sharded(zero, sharded: list) -> None:
-    """Note [parameters unfrozen on some ranks only], with a small all-reduce of its own: the
-    keys and their negations (the maximum and the minimum)."""
-    if not _compares(zero):
-        return
-    key = _keys(sharded)
-    mark = torch.tensor(key + [-k for k in key], dtype=torch.int64, device=zero.comm.device)
-    zero.comm.all_reduce(mark, op="max", tag=_OP)
-    values = mark.tolist()
-    if values[:len(key)] != [-k for k in values[len(key):]]:
-        _raise_different(zero, sharded)
-    zero._sharded_compared = True
-
-
-def _raise_different(zero, sharded: list) -> None:
-    """The ranks shard different parameters: exchange the lists and raise the same error on every rank."""
-    from .._consistency import gather_objects, raise_if_different
-
-    everyone = gather_objects([(i, tuple(zero._params[i].shape)) for i in sharded], zero.comm, _OP)
-    raise_if_different(
-        everyone, zero.rank, "the trainable parameters of ZeroRedundancyOptimizer",
-        lambda e: f"parameter {e[0]} (shape {e[1]}) trainable",
-        "Without a DDP model a parameter made trainable after construction joins the shards at the first step "
-        "(or unscale_/clip before it) that sees it trainable, and every rank must shard the same parameters: set "
-        "requires_grad=True on the same parameters on every rank before the same step.")
+def check_fingerprint_sums(zero, sums: torch.Tensor) -> None:
+    """After the all-reduce that carried :func:`fingerprint_entries` (``sums``: its part of it):
+    join the pending parameters where every rank's keys are equal; raise on every rank where
+    they differ, or keep the verdict on the device (Note [the comparison read without a
+    synchronization] in trainable_check.py)."""
+    joining = pending(zero)
+    sharded = sorted(zero._trainable + joining)
+    if trainable_check.conclude(zero, trainable_check.sums_differ(sums, zero.world_size), sharded, joining) \
+            and joining:
+        _join(zero, joining)
 
 
 def on_layout_change(zero, layout) -> None:

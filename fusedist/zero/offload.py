@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 
 from .. import _extension
+from . import trainable_check
 
 OFFLOAD_CHOICES = (None, "none", "cpu")
 HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
@@ -279,7 +280,7 @@ class HostShardOffload:
     def _host_scalars(self):
         """found_inf, inv_scale, clip_coef as 1-element fp32 host tensors (or None)."""
         z = self.zero
-        values = [z.found_inf, z._effective_inv_scale(), z.step_context.clip_coef]
+        values = [trainable_check.with_skip(z, z.found_inf), z._effective_inv_scale(), z.step_context.clip_coef]
         present = [v.reshape(1).float() for v in values if v is not None]
         if not present:
             return None, None, None

@@ -18,8 +18,10 @@ where they keep state of their own:
 * ``sharded_state.py`` (:class:`ShardedState`) -- state dicts: shard, consolidate, load;
 * ``empty_params.py`` (:class:`EmptyParams`) -- the state of parameters with no elements, which
   no shard holds;
-* ``grow.py`` -- parameters joining after construction; ``grad_sync.py`` -- the stage-2
-  reduce-scatter; ``offload.py`` -- ZeRO-Offload; ``join.py`` -- uneven inputs (its join hook).
+* ``step_refusals.py`` -- what ``step()`` refuses before anything runs (its step hooks included);
+* ``grow.py`` -- parameters joining after construction (``trainable_check.py``: the ranks compare
+  them first); ``grad_sync.py`` -- the stage-2 reduce-scatter; ``offload.py`` -- ZeRO-Offload;
+  ``join.py`` -- uneven inputs (its join hook).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch.optim import Optimizer
 
 from .._rank import this_rank
 from ..optim.elementwise import check_elementwise
-from . import copies, deferred_stage2, grad_sync, grow, param_checks, wiring
+from . import copies, deferred_stage2, grad_sync, grow, param_checks, step_refusals, wiring
 from . import state as zstate
 from .empty_params import EmptyParams
 from .factory import default_optimizer_class, optimizer_type
@@ -48,48 +50,6 @@ from .sharded_state import ShardedState
 from .shards import ShardsMixin
 
 MiB = 1024 * 1024
-
-
-# Note [torch's state-dict helpers on a sharded optimizer]
-#     torch's ``get_state_dict`` / ``set_state_dict`` (and ``get_optimizer_state_dict`` /
-#     ``set_optimizer_state_dict``) read ``optimizer.state_dict()`` as the whole state in torch's
-#     format on every rank, keyed by parameter index; this optimizer's is its rank's shard, so
-#     they failed inside torch with a bare ``KeyError: 'state'``. Worse, they first call
-#     ``step()`` with zero gradients and a zero learning rate when ``optimizer.state`` is empty
-#     (``_init_optim_state``: to create the state of a fresh optimizer), and a sharded
-#     optimizer's ``state`` is always empty (its inner optimizer holds the state, as torch's
-#     ZeroRedundancyOptimizer's does): that step advanced Adam's moments and step counts before
-#     the failure. So ``step()``, ``state_dict()`` and ``load_state_dict()`` called by those
-#     helpers (found on the call stack, as ``fusedist/fsdp/torch_helpers.py`` finds them) raise
-#     a clear error before anything changes, naming what saves and loads a sharded optimizer.
-def _refuse_torch_helpers(what: str, helper: str) -> None:
-    """Raise when ``what`` runs under torch's state-dict helper function ``helper`` (Note
-    [torch's state-dict helpers on a sharded optimizer])."""
-    from ..fsdp.torch_helpers import _torch_helper_locals
-
-    if _torch_helper_locals(helper) is None:
-        return
-    raise RuntimeError(
-        f"ZeroRedundancyOptimizer.{what}: called by torch's get_state_dict / set_state_dict (or "
-        "get_/set_optimizer_state_dict), which need an optimizer whose state_dict() is the whole state on "
-        "every rank; this optimizer's is its rank's shard. Save and load the model and this optimizer with "
-        "fusedist.checkpoint.save(dir, model, optimizer) / fusedist.checkpoint.load(dir, model, optimizer) "
-        "(any world size; load also reads DCP checkpoints of torch's optimizers), or gather the whole "
-        "state with consolidate_state_dict(to=0) and then state_dict() on rank 0. The optimizer's state was not "
-        "changed")
-
-
-def _all_rates_zero(groups) -> bool:
-    """Whether every group's learning rate is 0, as torch's ``_init_optim_state`` sets them before
-    its step (a rate on a device counts as 0: reading it would synchronize)."""
-    for group in groups:
-        lr = group.get("lr", 0.0)
-        if isinstance(lr, torch.Tensor):
-            if lr.device.type == "cpu" and bool(lr != 0):
-                return False
-        elif lr != 0:
-            return False
-    return True
 
 
 class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplittingMixin, ShardsMixin,
@@ -228,7 +188,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
         self._frozen = [i for i, p in enumerate(self._params) if not p.requires_grad]
-        self._may_grow = bool(self._frozen)  # Note [parameters unfrozen on some ranks only] in grow.py
+        self._may_grow = bool(self._frozen)  # Note [parameters unfrozen on some ranks only] in trainable_check.py
         self._device = self._params[self._trainable[0] if self._trainable else 0].device
         # Note [refusals of one rank's own arguments] in param_checks.py: raised after the comparison
         refusal = refusal or param_checks.own_refusal(self)
@@ -357,20 +317,18 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
     #     ZeroRedundancyOptimizer steps. The step is disabled for dynamo: a compiled caller
     #     breaks its graph around it, and the step runs eagerly, with the same numbers.
     @torch.compiler.disable
-    @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
-        wiring.check_not_replaced(self)  # Note [an optimizer built again] in wiring.py
-        deferred_stage2.check_complete(self)  # Note [stage 2 completed by add_param_group]
-        if grad_scaler is not None:
-            raise RuntimeError(
-                "ZeroRedundancyOptimizer(stage=2) cannot be stepped by torch.amp.GradScaler: stage 2 keeps "
-                "only this rank's shard of the gradients, so p.grad is None where torch's scaler unscales "
-                "and checks for inf/nan. "
-                "Use fusedist.amp.GradScaler (same API) and fusedist.clip_grad_norm_ or "
-                "optimizer.clip_grad_norm_, or stage=1"
-            )
-        if _all_rates_zero(self.param_groups):  # (torch's helper zeroes them first: no stack walk per step)
-            _refuse_torch_helpers("step", "_init_optim_state")  # Note [torch's state-dict helpers ...]
+        """torch's ``step``: this optimizer's own refusals first, then the step hooks and the step
+        (Note [a sharded optimizer's refusals before the step hooks] in step_refusals.py)."""
+        step_refusals.refuse_first(self, grad_scaler)
+        return self._hooked_step() if closure is None else self._hooked_step(closure)
+
+    step.hooked = True  # (torch's step hooks run in _hooked_step, after the refusals above)
+
+    @torch.no_grad()
+    def _step_body(self, closure: Optional[Callable[[], float]] = None):
+        if step_refusals.all_rates_zero(self.param_groups):  # (torch's helper zeroes them first: no stack walk)
+            step_refusals.refuse_torch_helpers("step", "_init_optim_state")  # Note [torch's state-dict helpers ...]
         if self._join_config.enable:
             self._join_before_step()  # uneven inputs (Note [joined ranks] in fusedist/ddp/join.py)
         self._sharded_state.invalidate()  # the state moves on: a gathered copy would be stale
@@ -428,6 +386,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         finally:
             self._fusedist_clear_protocol()
         return loss
+
+    _hooked_step = Optimizer.profile_hook_step(_step_body)  # (the global and own step hooks, then the body)
 
     def _gather_without_step(self) -> None:
         """A step on a rank without gradients, when there is no DDP model: the parameter
@@ -516,7 +476,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook`` run around it, as
         around torch's (whose ZeroRedundancyOptimizer builds its full state dict with
         ``Optimizer.state_dict``); a post hook's return value replaces the state dict."""
-        _refuse_torch_helpers("state_dict", "_get_optim_state_dict")  # (as in step())
+        step_refusals.refuse_torch_helpers("state_dict", "_get_optim_state_dict")  # (as in step())
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self._sharded_state.state_dict()
@@ -557,7 +517,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         and those of ``register_load_state_dict_post_hook`` run after the load."""
         refusal = None
         try:  # raised after the ranks compared (Note [refusals of one rank's own arguments] in param_checks.py)
-            _refuse_torch_helpers("load_state_dict", "_load_optim_state_dict")  # (as in step())
+            step_refusals.refuse_torch_helpers("load_state_dict", "_load_optim_state_dict")  # (as in step())
             if isinstance(state_dict, dict):
                 state_dict = state_dict.copy()
             for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():

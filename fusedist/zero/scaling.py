@@ -17,7 +17,7 @@ import torch
 
 from ..optim._scaler_protocol import ScalerProtocol
 from ..optim.grad_norms import flag_nan, norm_result_dtype, tensor_norms, unflag_nan
-from . import grow
+from . import grow, trainable_check
 
 
 class ZeroScalerProtocol(ScalerProtocol):
@@ -35,14 +35,15 @@ class ZeroScalerProtocol(ScalerProtocol):
     @torch.no_grad()
     def _fusedist_check_and_norm(self, inv_scale: Optional[torch.Tensor]):
         """(found_inf, sum of squares of grad * inv_scale), global over all shards."""
-        # Without DDP, parameters unfrozen since the last step join at their first use: join
-        # now, or the norm, the found-inf check and the unscale before the step would miss
-        # their gradients (Note [growing the partition]; with DDP they joined in backward).
-        # Every rank comes here (its all-reduce below), which compares the sharded parameters too:
-        # Note [parameters unfrozen on some ranks only], Note [one comparison a step] in grow.py.
+        # Without DDP, parameters unfrozen since the last step join here, or the norm, the
+        # found-inf check and the unscale before the step would miss their gradients (Note
+        # [growing the partition]; with DDP they joined in backward). Every rank comes here (its
+        # all-reduce below), which compares the sharded parameters first: they join once the
+        # ranks agree, and until then their gradients count whole on rank 0 (Note [parameters join
+        # after the comparison], Note [one comparison a step] in trainable_check.py).
         fingerprint = grow.fingerprint_entries(self)
         self._zero_fill_without_backward()  # Note [zero-filled gradients in stage 2] in grads.py
-        grads = self._local_grads()
+        grads = self._local_grads() + grow.awaiting_grads(self)
         device, dtype = self._device, self._norm_dtype()
         if grads:
             # Norms per tensor, then squares summed in fp32 (fp64 with fp64 parameters): a
@@ -69,8 +70,9 @@ class ZeroScalerProtocol(ScalerProtocol):
                                             fingerprint: Sequence[float] = ()):
         """One all-reduce of two numbers: the flags are summed (nonzero iff any rank found an
         inf/nan) and so are the shards' sums of squares -- and the ``fingerprint`` of the sharded
-        parameters where one is compared (Note [one comparison a step] in grow.py): in float64
-        then, where its sums are exact."""
+        parameters where one is compared (Note [one comparison a step] in trainable_check.py): in
+        float64 then, where its sums are exact; its verdict stays on the device (Note [the
+        comparison read without a synchronization])."""
         if self.comm is None or self.world_size == 1:
             return found_inf.reshape(1), sumsq.reshape(1)
         dtype = self._norm_dtype()
@@ -82,12 +84,13 @@ class ZeroScalerProtocol(ScalerProtocol):
         self._join_announce()  # under join (Note [the announce] in join.py)
         self.comm.all_reduce(packed, tag="zero found_inf and grad norm")
         if fingerprint:
-            grow.check_fingerprint_sums(self, packed[2:].tolist())  # (a host read, as the own check's)
+            grow.check_fingerprint_sums(self, packed[2:])
         packed = packed.to(sumsq.device)
         return (packed[0:1] > 0).float(), packed[1:2].to(dtype)
 
     def _fusedist_clear_protocol(self) -> None:
-        """After a step: the next one compares the sharded parameters again (Note [one comparison a step])."""
+        """After a step: the next one compares the sharded parameters again (Note [one comparison a step]
+        in trainable_check.py)."""
         super()._fusedist_clear_protocol()
         self._sharded_compared = False
 
@@ -95,12 +98,12 @@ class ZeroScalerProtocol(ScalerProtocol):
         # Stage 2: whether a synchronized backward left shards (the same on every rank).
         grow.join_pending(self)  # (see _fusedist_check_and_norm)
         self._zero_fill_without_backward()
-        return self._has_any_grad()
+        return self._has_any_grad() or grow.awaiting_with_grad(self)
 
     def _fusedist_local_grads(self) -> list:
         grow.join_pending(self)  # (see _fusedist_check_and_norm)
         self._zero_fill_without_backward()
-        return self._local_grads()
+        return self._local_grads() + grow.awaiting_grads(self)
 
     def _fusedist_grads_in_user_view(self) -> bool:
         # Stage 2's gradients are shards nobody else reads (p.grad is None): unscaled inline
@@ -157,7 +160,7 @@ class ZeroScalerProtocol(ScalerProtocol):
     def _global_grad_norm(self, norm_type: float, inv_scale: Optional[torch.Tensor]) -> torch.Tensor:
         """The ``norm_type``-norm (not 2) of the gradients over every rank's shard: one small
         all-reduce, the max of the shards' norms for inf, else the sum of their p-th powers."""
-        grow.join_pending(self)  # (see _fusedist_check_and_norm)
+        grow.join_pending(self, compare=True)  # (every rank comes here: its all-reduce below)
         self._zero_fill_without_backward()
         if not norm_type > 0:  # Note [norms that are not sums over elements] in grads.py
             slices = [s for _, s in self.gradient_slices()]
@@ -224,7 +227,8 @@ class ZeroScalerProtocol(ScalerProtocol):
         to the gradients before a fused inner step too: the fused update takes its factors as
         fp32, and the coefficient rounded to fp32 left an fp64 model trained with clipping 1e-9
         from torch's, where torch multiplies the fp64 gradients by the fp64 coefficient."""
-        inner, found = self.inner, self.found_inf
+        # (a verdict kept on the device skips the step: Note [the comparison read without a synchronization])
+        inner, found = self.inner, trainable_check.with_skip(self, self.found_inf)
         if getattr(inner, "_fusedist_fused", False):
             # The whole decision in one hand-over: the inner optimizer's step consumes a copy
             # of this step context (its own is cleared by that step).

@@ -40,7 +40,8 @@ class MutableState:
     _join_shadowing = JoinableOptimizer._join_shadowing
     _join_clip = JoinableOptimizer._join_clip
     _replaced = None  # why a stage-2 optimizer may not step any more (Note [an optimizer built again])
-    _sharded_compared = False  # Note [one comparison a step] in grow.py
+    _sharded_compared = False  # Note [one comparison a step] in trainable_check.py
+    _trainable_verdict = None  # Note [the comparison read without a synchronization] in trainable_check.py
     _stage2_pending = None  # Note [stage 2 completed by add_param_group] in deferred_stage2.py
     overlap_param_gather = False
     ddp = None  # the DDP model followed (a newer wrapper of the module takes over: fusedist/ddp/succession.py)
@@ -57,7 +58,7 @@ _MUTABLE_ATTRIBUTES = (
     "_piece_grads", "_pieces", "_offload", "inner", "_param_versions",
     "_join_config", "_join_shadowing", "_join_clip", "_fusedist_join_config",
     "grad_scale", "found_inf", "step_context", "_replaced", "_may_grow",
-    "_sharded_compared", "ddp", "_stage2_pending", "overlap_param_gather",
+    "_sharded_compared", "_trainable_verdict", "ddp", "_stage2_pending", "overlap_param_gather",
 )
 
 

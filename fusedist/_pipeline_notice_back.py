@@ -22,7 +22,8 @@ Note [a first send that cannot be made, told upstream]
     waiting for the timeout when all its stages are before the failing one. As the forward notice, it covers
     micro-batch 0 of the first training step after a set-up (with shape inference, that step's failures are
     the inference's: Note [a shape inference that fails on one rank]); a failure at a later micro-batch or
-    step, or in a forward-only step, still reaches the ranks before it at the group's timeout.
+    step, in a backward, or in a forward-only step is told at the step's end (Note [a failure told at the
+    step's end] in _pipeline_step_status.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def arm_back(stage, has_backward: bool) -> None:
              and len(set(ranks.values())) == len(ranks) == stage.num_stages)
     stage._back_notice_to = armed and not stage.is_first and ranks.get(stage.stage_index - 1, here) != here
     stage._back_notice_from = armed and not stage.is_last and ranks.get(stage.stage_index + 1, here) != here
-    stage._back_notice_buffer = None
+    stage._back_notice_buffer, stage._back_armed = None, armed
     stage._fwd_recvs_made, stage._fwd_sends_made = set(), set()
 
 
@@ -106,8 +107,9 @@ def tell_upstream(stage, chunk: int, message: str, told: bool) -> None:
 
 
 def guard_first_loss(schedule) -> None:
-    """The last stage's loss of micro-batch 0 told upstream when it raises (Note [a first send that cannot be
-    made, told upstream]): the schedule computes it after the stage's forward, outside the stage's passes."""
+    """The last stage's loss, when it raises, told upstream at micro-batch 0 (Note [a first send that cannot be
+    made, told upstream]) or to every rank at the step's end (Note [a failure told at the step's end] in
+    _pipeline_step_status.py): the schedule computes it after the stage's forward, outside the stage's passes."""
     if schedule.__dict__.get("_fusedist_loss_guarded", False):
         return
     original = schedule._maybe_compute_loss
@@ -117,7 +119,11 @@ def guard_first_loss(schedule) -> None:
             return original(stage, output, target_mbs, mb_index, *args, **kwargs)
         except Exception as e:
             if mb_index != 0 or not getattr(stage, "_back_notice_to", False):
-                raise
+                from ._pipeline_step_status import fail_step, fails_here, failure_message
+
+                if not fails_here(stage):  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+                    raise
+                raise RuntimeError(fail_step(stage, failure_message(stage, mb_index, e, "'s loss"))) from e
             message = (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {stage.group_rank} of the "
                        f"pipeline's group) failed at micro-batch 0's loss: {_root_cause(e)}")
             tell_upstream(stage, 0, message, told=False)

@@ -26,8 +26,9 @@ Note [a step that raised]
       code, and a peer blocked in a receive sees nothing else). A new step would pair its
       messages with theirs -- activations and gradients of other micro-batches, another step's
       targets -- silently. So the rank refuses this and every later step, naming what it had
-      done; the peers' steps end at the process group's timeout (or at once when this process
-      ends), and refuse theirs in turn.
+      done; the peers' steps fail too -- at once where the failure is told to every rank (Note [a
+      failure told at the step's end] in _pipeline_step_status.py), else at the process group's
+      timeout (or when this process ends) -- and refuse theirs in turn.
     A step whose shape inference failed on every rank at once left nothing unmatched (Note [a
     shape inference that fails on one rank] in _pipeline_inference.py): it counts as ended.
     A step driven by hand (no schedule's ``step``) is not tracked. The leftover losses of a step
@@ -110,13 +111,8 @@ def after_the_last_step(stage, schedule, plain: bool) -> None:
         if stage.group_size > 1 or (step.backwards and (step.held_over or not plain)):
             refusal = stage._refusal = _refusal(stage, step, plain)
         else:
-            if step.backwards:  # put the gradients back as the step found them
-                with torch.no_grad():
-                    held = getattr(stage, "_held_before", None)
-                    for grad, before in held.pairs() if held is not None else []:
-                        grad.zero_() if before is None else grad.copy_(before)
-                for p in step.unset:
-                    p.grad = None
+            if step.backwards:
+                put_back_gradients(stage, step)
             if step.buffers is not None:  # a BatchNorm's statistics, as the step found them
                 step.buffers.put_back()
             if not step.held_over:
@@ -125,6 +121,17 @@ def after_the_last_step(stage, schedule, plain: bool) -> None:
     if refusal is not None:
         raise RuntimeError(refusal)
     schedule._internal_losses.clear()  # the losses of a step that raised; none otherwise
+
+
+def put_back_gradients(stage, step) -> None:
+    """The gradients as ``step`` found them, from the set-aside its first backward took (Note [accumulating
+    over synchronized pipeline steps] in pipelining.py); those it found None set to None again."""
+    with torch.no_grad():
+        held = getattr(stage, "_held_before", None)
+        for grad, before in held.pairs() if held is not None else []:
+            grad.zero_() if before is None else grad.copy_(before)
+    for p in step.unset:
+        p.grad = None
 
 
 def _refusal(stage, step, plain: bool) -> str:

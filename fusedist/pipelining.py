@@ -147,6 +147,8 @@ from ._pipeline_notice_back import (
     tell_upstream)
 from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain_weight_pass, _weight_pass, _weights
 from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, schedule_stepping
+from ._pipeline_step_status import (
+    began, fail_step, fails_here, failure_message, micro_batches, status_armed, step_end_failure)
 from ._pipeline_vote import backward_result, forward_vote
 from .fsdp.grad_view import ShardGrad
 
@@ -169,8 +171,9 @@ class PipelineStage(_TorchPipelineStage):
     leaves no trace of a step that raised, or refuses the next (Note [a step that raised]), fails a first send it
     cannot make on the receiving rank too (Note [a first send that cannot be made] in _pipeline_inference.py),
     and on the ranks before it (Note [a first send that cannot be made, told upstream] in
-    _pipeline_notice_back.py), refuses schedules of different micro-batch counts on every rank at once (Note
-    [micro-batch counts that differ across ranks] in _pipeline_vote.py),
+    _pipeline_notice_back.py), fails every rank at once after a failure anywhere in a step (Note [a failure
+    told at the step's end] in _pipeline_step_status.py), refuses schedules of different micro-batch counts on
+    every rank at once (Note [micro-batch counts that differ across ranks] in _pipeline_vote.py),
     and weights whose paths go around the inputs' (Note [weight paths around the inputs] in _pipeline_passes.py);
     torch's shape inference leaves its buffers as they were (Note [shape inference leaves the stage
     as it was] in _pipeline_inference.py)."""
@@ -240,9 +243,11 @@ class PipelineStage(_TorchPipelineStage):
         return notice_send_ops(self, fwd_chunk_id) + super().get_fwd_send_ops(fwd_chunk_id)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        getattr(self, "_bwd_recvs_made", set()).add(bwd_chunk_id)
         return back_recv_ops(self, bwd_chunk_id) + super().get_bwd_recv_ops(bwd_chunk_id)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        getattr(self, "_bwd_sends_made", set()).add(bwd_chunk_id)
         return back_send_ops(self, bwd_chunk_id) + super().get_bwd_send_ops(bwd_chunk_id)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
@@ -251,7 +256,12 @@ class PipelineStage(_TorchPipelineStage):
         except PeerFailedFirstSendAfter as e:
             tell_upstream(self, bwd_chunk_id, str(e), told=True)
             raise RuntimeError(str(e)) from None
-        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        try:
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        except Exception as e:
+            if not fails_here(self):  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+                raise
+            raise RuntimeError(fail_step(self, failure_message(self, bwd_chunk_id, e, "'s backward"))) from e
 
     def forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
         try:  # Note [a first send that cannot be made] (_pipeline_inference.py)
@@ -259,6 +269,9 @@ class PipelineStage(_TorchPipelineStage):
             return self._forward_one_chunk(fwd_chunk_id, args, *rest, **kwargs)
         except Exception as e:
             told = fwd_chunk_id == 0 and (getattr(self, "_notice_to", False) or getattr(self, "_back_notice_to", False))
+            if not isinstance(e, PeerFailedFirstSend) and not (told and getattr(self, "_back_armed", False)) \
+                    and fails_here(self):  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+                raise RuntimeError(fail_step(self, failure_message(self, fwd_chunk_id, e))) from e
             message = send_failure(self, fwd_chunk_id, e)
             if isinstance(e, PeerFailedFirstSend):
                 raise RuntimeError(message) from None
@@ -292,8 +305,8 @@ class PipelineStage(_TorchPipelineStage):
             check_shapes(self, fwd_chunk_id, "output", meta.outputs, output)
         if step is not None:
             step.forwards += 1
-            if not self.has_backward and step.forwards >= (self.chunks or 0):
-                step.end()
+            if not self.has_backward and step.forwards >= micro_batches(self) and not status_armed(self):
+                step.end()  # (else at the status exchange: Note [a failure told at the step's end])
         return output
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
@@ -337,14 +350,18 @@ class PipelineStage(_TorchPipelineStage):
         that raised])."""
         schedule = schedule_stepping(self)
         if schedule is not None:
-            plain = _sync_switch(self.submod) is None and not _torch_data_parallel(self.submod)
+            plain = self._plain_stage = _sync_switch(self.submod) is None and not _torch_data_parallel(self.submod)
             after_the_last_step(self, schedule, plain)
             self._step, self._stepping = Step(), weakref.ref(schedule)
             if self.is_last:
                 guard_first_loss(schedule)  # Note [a first send that cannot be made, told upstream]
+        began(self, schedule is not None)  # Note [a failure told at the step's end] (_pipeline_step_status.py)
         super().clear_runtime_states()
 
     def perform_reduce_grad(self, grad_scale_factor: int):
+        failure = step_end_failure(self)  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+        if failure is not None:
+            raise RuntimeError(failure)
         if getattr(self, "_step", None) is not None:  # the step's messages are all exchanged
             self._step.end()
         super().perform_reduce_grad(grad_scale_factor)

@@ -41,7 +41,6 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
 from pipeline_stage_kinds import largest_difference, stages_of_each_kind
 from shared_rank_launch import launch_for_selected, results_of
 
@@ -672,6 +671,8 @@ def launched(request):
         "test_a_sharded_stage_after_a_failed_step_with_backwards_is_refused": {
             "sharded stage after a failed step": (_sharded_stage_after_a_failed_step_worker, (seed,))},
         "test_zeroed_gradients_are_not_copied_at_a_step": {"zeroed gradients": (_zeroed_gradients_worker, (seed,))},
+        "test_a_step_after_one_that_raised_across_ranks_is_refused_on_every_rank": {
+            "failed across ranks": (_failed_across_ranks_worker, (seed,))},
     }
     return {"seed": seed, **launch_for_selected(request, jobs, 2, timeout=300)}
 
@@ -695,29 +696,31 @@ def _failed_across_ranks_worker(rank, world_size, seed):
     def step(target):
         return schedule.step(x) if rank == 0 else schedule.step(target=target)
 
+    began = time.monotonic()
     first = _refused(lambda: step(bad))
+    seconds = time.monotonic() - began
     grads = [None if p.grad is None else p.grad.clone() for p in part.parameters()]
     second = _refused(lambda: step(y))
     same = all((a is None and p.grad is None) or (a is not None and torch.equal(a, p.grad))
                for a, p in zip(grads, part.parameters()))
-    return first, second, same
+    return first, seconds, second, same
 
 
-def test_a_step_after_one_that_raised_across_ranks_is_refused_on_every_rank():
+def test_a_step_after_one_that_raised_across_ranks_is_refused_on_every_rank(launched):
     """Note [a step that raised]: the last stage's loss raises mid-step; the first stage's rank
-    waits for that step's gradients. Each rank's next step is
-    refused, naming the stage and what the failed step had done, without touching the gradients
-    -- not run against the other rank's leftover messages. (The first stage's step ends when the
-    last stage's process does, else at the group's timeout, 5 s here.) Its own launch: the failed
-    step leaves the process group's messages unmatched."""
-    seed = int(torch.randint(0, 10_000, ()).item())
-    results = run_distributed(_failed_across_ranks_worker, 2, seed, timeout=120, pg_timeout=5)
-    for rank, (first, second, same) in enumerate(results):
-        assert first is not None, (seed, rank)
+    waited for that step's gradients until the group's timeout: now both ranks raise within 5 s the
+    same message, naming the stage, the micro-batch and the loss's exception (Note [a failure told
+    at the step's end] in fusedist/_pipeline_step_status.py). Each rank's next step is refused,
+    naming the stage and what the failed step had done, without touching the gradients -- not run
+    against the other rank's leftover messages."""
+    results = results_of(launched, "failed across ranks")
+    for rank, (first, seconds, second, same) in enumerate(results):
+        assert first is not None and seconds < 5, (launched["seed"], rank, first, seconds)
+        assert "stage 1 (rank 1 of the pipeline's group) failed at micro-batch 2's loss: IndexError" in first, first
         assert second is not None and f"stage {rank} (rank {rank}): the previous step raised before its end" \
-            in second, (seed, rank, second)
-        assert "refuses every later step" in second and same, (seed, rank, second, same)
-    assert "out of bounds" in results[1][0], results[1][0]
+            in second, (launched["seed"], rank, second)
+        assert "refuses every later step" in second and same, (launched["seed"], rank, second, same)
+    assert "out of bounds" in results[1][0] and results[0][0] == results[1][0], results
 
 
 def test_the_set_aside_measures_gradients_of_several_devices_and_dtypes():

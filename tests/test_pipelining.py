@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 
 import pytest
 import torch
@@ -1174,9 +1175,11 @@ def _uneven_worker(rank, world_size, seed, schedule_name):
         ref_opt.zero_grad()
 
     good_step()
-    x, _ = batch(10)  # 4 micro-batches of 3, 3, 2, 2 rows; the buffers hold 2
+    x, y = batch(10)  # 4 micro-batches of 3, 3, 2, 2 rows; the buffers hold 2
+    began = time.monotonic()
+    errors.append(_refused(lambda: schedule.step(x) if rank == 0 else schedule.step(target=y)))
+    errors.append(time.monotonic() - began)
     if rank == 0:  # (the stage after it only ever sees its fixed buffers: it skips these)
-        errors.append(_refused(lambda: schedule.step(x)))
         stage.clear_runtime_states()
         stage.forward_one_chunk(0, (x[:2],), {})  # (no schedule: nothing is sent)
         errors.append(_refused(lambda: stage.forward_one_chunk(1, (x[2:5],), {})))
@@ -1186,7 +1189,7 @@ def _uneven_worker(rank, world_size, seed, schedule_name):
         trim.remove()
         stage.clear_runtime_states()
         assert all(p.grad is None for p in part.parameters())
-        errors.append(_refused(good_step))  # (refused before anything is sent: the second stage skips it)
+    errors.append(_refused(good_step))  # (refused before anything is sent, on both ranks)
     return errors, _max_diff([part.state_dict()], [whole[2 * rank:2 * rank + 2].state_dict()])
 
 
@@ -1197,23 +1200,72 @@ def test_a_micro_batch_of_another_shape_is_refused_naming_stage_and_shapes(sched
     (gloo aborting the receiver, or the loss's "size of tensor a (3) must match b (2)"). The
     first stage refuses it before sending, naming the stage, the micro-batch, both shapes and
     the fix; the good step before it trains as the unpipelined model (fp32 sums of the same terms
-    in another order: 1e-6), and the rank's next step is refused: the second stage's rank may be
-    in the refused step, waiting for its micro-batches (Note [a step that raised])."""
+    in another order: 1e-6). The second stage's rank, in the same step, raises the same refusal
+    within 5 s (it waited for the group's timeout: Note [a failure told at the step's end]), and
+    each rank's next step is refused (Note [a step that raised])."""
     seed = launched2["seed"]
+    steps = set()
     for rank, (errors, diff) in enumerate(results_of(launched2, f"uneven {schedule_name}")):
         assert diff < 1e-6, (rank, diff, seed)
+        step, seconds, *by_hand_and_output, later = errors
+        steps.add(step)
+        assert None not in errors and seconds < 5, errors  # (Note [a failure told at the step's end])
+        assert f"stage {rank} (rank {rank}): the previous step raised before its end" in later, later
+        assert "refuses every later step" in later, later
         if rank == 1:
-            assert errors == []
+            assert by_hand_and_output == []
             continue
-        step, by_hand, output, later = errors
-        assert None not in errors, errors
+        by_hand, output = by_hand_and_output
         assert f"stage 0, micro-batch 0: input 0 has shape (3, {WIDTH})" in step, step
         assert f"expected (2, {WIDTH})" in step and f"divisible by n_microbatches ({MICRO_BATCHES})" in step, step
         assert "drop_last=True" in step, step
         assert f"stage 0, micro-batch 1: input 0 has shape (3, {WIDTH})" in by_hand, by_hand
         assert f"stage 0, micro-batch 0: output 0 has shape (1, {WIDTH})" in output, output
-        assert "stage 0 (rank 0): the previous step raised before its end" in later, later
-        assert "refuses every later step" in later, later
+    assert len(steps) == 1, steps  # the second stage's rank raises the first stage's refusal
+
+
+def _uneven_first_step_worker(rank, world_size, seed):
+    """A 2-stage GPipe pipeline (stage ``rank`` on rank ``rank``) whose first step gets 10 rows:
+    what the step raised and in how many seconds, whether any gradient was written, whether a
+    weight moved."""
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    from fusedist.pipelining import PipelineStage
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh())
+    part = model[2 * rank:2 * rank + 2]
+    before = {k: v.clone() for k, v in part.state_dict().items()}
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=MICRO_BATCHES, loss_fn=lambda o, t: (o - t).square().mean())
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(10, WIDTH, generator=g), torch.randn(10, WIDTH, generator=g)
+    began = time.monotonic()
+    raised = _refused(lambda: schedule.step(x) if rank == 0 else schedule.step(target=y))
+    seconds = time.monotonic() - began
+    written = any(p.grad is not None for p in part.parameters())
+    moved = any(not torch.equal(before[k], v) for k, v in part.state_dict().items())
+    return raised, seconds, written, moved
+
+
+def test_an_uneven_first_step_is_refused_by_the_first_stage_naming_the_micro_batch(launched2):
+    """torch's stages size their receive buffers from micro-batch 0 of the first step, the largest
+    of ``tensor_split``'s uneven split (3, 3, 2, 2 rows of 10), so the first smaller micro-batch did
+    not fit them: under torch's own stage the last stage's loss failed on it ("The size of tensor a
+    (3) must match the size of tensor b (2)"), far from the cause, or gloo aborted the receiver. The
+    refusal comes from the first stage before that micro-batch is sent, names it and both shapes;
+    the first stage's weights are untouched (GPipe runs every forward before any backward: no
+    gradient was written). The second stage's rank, which waited for the group's timeout, raises the
+    same refusal within 5 s (Note [a failure told at the step's end] in
+    fusedist/_pipeline_step_status.py), not the loss's mismatch on the zeros it was sent."""
+    seed = launched2["seed"]
+    (first, seconds, written, moved), (second, seconds_after, _, moved_after) = results_of(
+        launched2, "uneven first step")
+    assert f"stage 0, micro-batch 2: input 0 has shape (2, {WIDTH})" in first, (seed, first)
+    assert f"expected (3, {WIDTH})" in first and f"divisible by n_microbatches ({MICRO_BATCHES})" in first, first
+    assert "drop_last=True" in first, first
+    assert not written and not moved and not moved_after, (seed, written, moved, moved_after)
+    assert second == first and seconds < 5 and seconds_after < 5, (seed, second, seconds, seconds_after)
 
 
 def _one_rank_uneven_worker(rank, world_size, seed):
@@ -1337,5 +1389,7 @@ def launched2(request):
             f"uneven {name}": (_uneven_worker, seed, name) for name in ("ScheduleGPipe", "Schedule1F1B")},
         "test_uneven_micro_batches_on_one_rank_are_refused": {
             "uneven on one rank": (_one_rank_uneven_worker, seed)},
+        "test_an_uneven_first_step_is_refused_by_the_first_stage_naming_the_micro_batch": {
+            "uneven first step": (_uneven_first_step_worker, seed)},
     })
     return {"seed": seed, **launch_for_selected(request, jobs, 2, timeout=300)}

@@ -1,0 +1,199 @@
+"""A stage that fails anywhere in a step completes the step's messages and tells every rank at the step's end,
+instead of leaving the other ranks waiting until the process group's timeout.
+
+Note [a failure told at the step's end]
+    The notices ahead of micro-batch 0's activations and gradient (Note [a first send that cannot be made] in
+    _pipeline_inference.py, Note [a first send that cannot be made, told upstream] in _pipeline_notice_back.py)
+    cover a failure at micro-batch 0 of the first training step after a set-up. A failure anywhere else -- a
+    stage's forward, the last stage's ``loss_fn`` or a stage's backward at a later micro-batch or in a later
+    step, or any failure in an ``eval()`` step -- left the other ranks blocked in a receive (or their sends
+    untaken: gloo's sends wait for their receive) until the process group's timeout. A notice per micro-batch
+    would tell them at once, but costs a message (and a read on the host) per micro-batch and boundary on every
+    step; a failure only has to be learned of before any rank applies the step. So:
+    - the failing stage completes every message the step still owes or is owed across its boundaries: it
+      posts the receives of the activations and gradients it has not received yet, and sends zeros of the
+      shapes the peers receive into in place of the activations and gradients it has not sent (a status
+      notice ahead of micro-batch 0's, where one is due, says "sent"). Every posted operation goes in one
+      batch, so a backend that orders a pair's messages (NCCL) cannot block on their order. The other ranks'
+      steps run to their end on the zeros: a failure one of them meets on them (a loss comparing shapes) is
+      told the same way;
+    - at each step's end (``perform_reduce_grad``, before the step counts as ended) every rank of the
+      pipeline takes part in one all-reduce of one integer: the lowest failing rank, or none. Only after a
+      failure, the failing rank broadcasts its message: every rank raises the same ``RuntimeError`` naming
+      the stage, its rank, the micro-batch (and whether its loss or backward) and the exception; the
+      failing rank's chains its own exception. Where several ranks failed, the lowest one's message is
+      raised (in the forward direction, a failure on the zeros comes after the one that sent them).
+    No rank's step ends: each counts as one that raised (Note [a step that raised] in
+    _pipeline_step_failures.py), so no optimizer step follows on any rank, and each rank's next step is
+    refused. A stage module no one reduces gets its gradients back as the step found them (the zeros were
+    backpropagated too); a ``fully_shard`` or DDP stage keeps the sums it reduced, as after any step that
+    raised. Every message of the failed step is matched, so the process group stays usable.
+    The cost on a step that does not fail: one all-reduce of one integer per step and rank, read on the
+    host (on an accelerator: the host waits for the step's work before the step returns; on gloo, two CPU
+    ranks, ~0.25 ms a step); ``FUSEDIST_CHECKS=0`` (on every rank) turns it off, and such a failure then
+    reaches the other ranks at the group's timeout. Armed for the schedules with one stage per rank that end their steps in
+    ``perform_reduce_grad`` (``ScheduleGPipe``, ``Schedule1F1B`` and their subclasses) over a group whose
+    every rank holds a stage, driven by the schedule's ``step``/``eval`` (not by hand). Not armed with several
+    stages per rank (interleaved, looped, V, zero-bubble schedules): completing a rank's messages there has
+    to follow the schedule's interleaving of its stages' messages to each peer, so a failure still reaches
+    the other ranks at the group's timeout (or, at micro-batch 0, through the forward notice). A failure in
+    the step's own communication, or outside the stage's forward, loss and backward (the schedule's code,
+    the shape inference of an ``eval`` set-up), is not covered.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ._pipeline_inference import _FAILED, NOTICE_BYTES, NOTICE_WAIT_S, _notice, notice_failure, notice_send_ops
+from ._pipeline_notice_back import back_send_ops
+from ._pipeline_step_failures import put_back_gradients
+
+
+def status_armed(stage) -> bool:
+    """Whether the stage's step ends with the status exchange (the same answer on every rank of the
+    pipeline: Note [a failure told at the step's end])."""
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
+
+    from .reliability.config import checks_enabled
+
+    if not checks_enabled():  # (FUSEDIST_CHECKS=0, set alike on every rank: no per-step exchange)
+        return False
+    stepping = getattr(stage, "_stepping", None)
+    schedule = stepping() if stepping is not None else None
+    if not isinstance(schedule, (ScheduleGPipe, Schedule1F1B)) or stage.group_size < 2:
+        return False
+    ranks = getattr(stage, "stage_index_to_group_rank", None) or {}
+    return len(set(ranks.values())) == len(ranks) == stage.num_stages == stage.group_size
+
+
+def micro_batches(stage) -> int:
+    """The step's micro-batch count: the schedule's (``stage.chunks`` is set by training steps only; an eval
+    step before any counted as ended at its first forward)."""
+    stepping = getattr(stage, "_stepping", None)
+    schedule = stepping() if stepping is not None else None
+    return int(getattr(schedule, "_n_microbatches", 0) or stage.chunks or 0)
+
+
+def began(stage, scheduled: bool) -> None:
+    """At a step's beginning: nothing sent or received yet, nothing failed; passes driven by hand (not
+    ``scheduled``) tell nobody."""
+    stage._fwd_recvs_made, stage._fwd_sends_made = set(), set()
+    stage._bwd_recvs_made, stage._bwd_sends_made = set(), set()
+    stage._status_told = not scheduled
+
+
+def fails_here(stage) -> bool:
+    """The stage's step failed here and the status exchange tells the others (once per step)."""
+    if getattr(stage, "_status_told", False) or not status_armed(stage):
+        return False
+    stage._status_told = True
+    return True
+
+
+def fail_step(stage, message: str) -> str:
+    """After the stage's forward, loss or backward raised: complete the step's messages, tell every rank;
+    the message every rank raises."""
+    works = _complete(stage)
+    failure = exchange(stage, message)
+    _put_back(stage)
+    try:  # bounded: a peer elsewhere may never take them
+        for work in works:
+            work.wait(timeout=datetime.timedelta(seconds=NOTICE_WAIT_S))
+    except Exception:  # noqa: BLE001 - the failure being told of is the error to raise
+        stage._status_works = works  # (kept alive with their tensors)
+    return failure or message
+
+
+def step_end_failure(stage):
+    """At the step's end: the failure another rank told of, or None (and None where not armed)."""
+    if getattr(stage, "_status_told", False) or not status_armed(stage):
+        return None
+    failure = exchange(stage, None)
+    if failure is not None:
+        _put_back(stage)
+    return failure
+
+
+def _put_back(stage) -> None:
+    """A stage module no one reduces gets its gradients back as the failed step found them (one fusedist or
+    torch reduces keeps its sums, as does a step accumulating under the user's own switch: Note [a step that
+    raised] in _pipeline_step_failures.py)."""
+    step = getattr(stage, "_step", None)
+    if step is not None and step.backwards and getattr(stage, "_plain_stage", False) and not step.held_over:
+        put_back_gradients(stage, step)
+
+
+def exchange(stage, message):
+    """Every rank of the pipeline: the lowest failing rank's message, or None where none failed."""
+    size, me = stage.group_size, stage.group_rank
+    flag = torch.tensor([size - me if message is not None else 0], dtype=torch.int64, device=stage.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=stage.group)
+    top = int(flag.item())
+    if top == 0:
+        return None
+    src = size - top
+    buffer = (_notice(stage, _FAILED, message) if src == me
+              else torch.zeros(NOTICE_BYTES, dtype=torch.uint8, device=stage.device))
+    dist.broadcast(buffer, group_src=src, group=stage.group)
+    return notice_failure(buffer)
+
+
+def _complete(stage) -> list:
+    """Post every receive and send (zeros) of the step that the stage has not made, in one batch."""
+    n = micro_batches(stage)
+    ops = [op for c in range(n) if c not in stage._fwd_recvs_made for op in stage.get_fwd_recv_ops(c)]
+    ops += [op for c in range(n) if c not in stage._fwd_sends_made for op in _zero_activations(stage, c)]
+    if stage.has_backward:
+        ops += [op for c in range(n) if c not in stage._bwd_recvs_made for op in stage.get_bwd_recv_ops(c)]
+        ops += [op for c in range(n) if c not in stage._bwd_sends_made for op in _zero_gradients(stage, c)]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _zero_activations(stage, chunk: int) -> list:
+    """What the stage's sends of micro-batch ``chunk``'s activations would be, as zeros."""
+    stage._fwd_sends_made.add(chunk)
+    ops = notice_send_ops(stage, chunk)
+    for idx, meta in enumerate(stage._stage_meta.outputs or ()):
+        for dst in stage.act_send_info.get(idx, ()):
+            if dst is not None and meta is not None:
+                zeros = torch.zeros(meta.shape, dtype=meta.dtype, device=stage.device)
+                ops.append(dist.P2POp(dist.isend, zeros, stage._resolve_peer_global_rank(dst), stage.group))
+    return ops
+
+
+def _zero_gradients(stage, chunk: int) -> list:
+    """What the stage's sends of micro-batch ``chunk``'s input gradients would be, as zeros (as torch's stage
+    decides which to send)."""
+    stage._bwd_sends_made.add(chunk)
+    if stage.is_first:
+        return []
+    ops = back_send_ops(stage, chunk)
+    if stage.grad_send_info is None:
+        stage.grad_send_info = stage._create_grad_send_info(stage.args_recv_info[0])
+    for idx, dst in enumerate(stage.grad_send_info):
+        if dst is None:
+            continue
+        try:
+            meta = stage._get_grad_send_meta(idx)
+        except Exception:  # noqa: BLE001 - torch's stage sends nothing there either
+            meta = None
+        if meta is not None:
+            zeros = torch.zeros(meta.shape, dtype=meta.dtype, device=stage.device)
+            ops.append(dist.P2POp(dist.isend, zeros, stage._resolve_peer_global_rank(dst), stage.group))
+    return ops
+
+
+def failure_message(stage, chunk: int, error: Exception, where: str = "") -> str:
+    """The message every rank raises: the stage, its rank, the micro-batch (``where``: "'s loss", "'s
+    backward") and the exception that began it; a stage's own refusal, which names them, as it is."""
+    from ._pipeline_inference import _root_cause
+
+    text = str(error)
+    if text.startswith("fusedist.pipelining.PipelineStage: "):
+        return text
+    return (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {stage.group_rank} of the "
+            f"pipeline's group) failed at micro-batch {chunk}{where}: {_root_cause(error)}")

@@ -6,7 +6,8 @@ Sharing that launch: the pieces' gradients answer FSDP2's names as a tensor subc
 ``torch.Tensor`` (Note [gradients read as DTensors] in fusedist/fsdp/grad_view.py); a group unit's
 parameters named from the root; the root's tree compared by a fingerprint (Note [the tree's
 fingerprint] in tree_names.py); a module inside a gathered unit called on its own, resharded before
-its backward (Note [a unit's module called on its own while gathered] in child_calls.py).
+its backward (Note [a unit's module called on its own while gathered] in child_calls.py), and refused
+before the root's first forward (Note [a unit's module called on its own before its root's first forward]).
 """
 
 from __future__ import annotations
@@ -270,6 +271,7 @@ def _grads_are_local(rank: int, world: int, seed: int, where: str) -> dict:
     out["copies"] = [(type(t) is torch.Tensor, torch.equal(t, grad)) for t in (saved, copied)]
     out["torch.Tensor"] = [n for n in _NAMES if n in vars(torch.Tensor) or hasattr(torch.Tensor, n)]
     out["plain"] = [n for n in _NAMES if hasattr(torch.zeros(2), n)]
+    out["params"] = _params_as_subclass(ours, rank)
     # torch's distributed checkpoint: save with gradients held, load into a fresh model and optimizer
     dcp.save({"model": get_model_state_dict(ours), "optim": get_optimizer_state_dict(ours, opt)},
              checkpoint_id=where)
@@ -280,6 +282,36 @@ def _grads_are_local(rank: int, world: int, seed: int, where: str) -> dict:
     set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
     mine = _whole(ours)
     out["dcp"] = max(float((v - mine[k]).abs().max()) for k, v in _whole(fresh).items())
+    return out
+
+
+def _params_as_subclass(model, rank: int) -> dict:
+    """The pieces answer FSDP2's names as an ``nn.Parameter`` subclass: ``nn.Parameter`` gains nothing
+    (a plain parameter of any model answers none of the names), a piece prints, saves and copies as a
+    plain parameter, stays a foreach type for torch.optim, and a piece ``to_empty`` replaced (a model
+    built on the meta device) is one too."""
+    from torch.optim.optimizer import _foreach_supported_types
+
+    import fusedist
+
+    p = model.a.weight
+    out = {"type": (type(p).__name__, isinstance(p, nn.Parameter), all(hasattr(p, n) for n in _NAMES),
+                    type(p) in _foreach_supported_types),
+           "nn.Parameter": [n for n in vars(nn.Parameter) if n in _NAMES or "fusedist" in n]
+           + [n for n in _NAMES if hasattr(nn.Parameter(torch.zeros(2)), n) or hasattr(nn.Linear(2, 2).weight, n)],
+           "repr": (repr(p) == "Parameter containing:\n" + repr(p.detach())[:-1] + ", requires_grad=True)",
+                    repr(p.grad) == repr(p.grad.detach()))}
+    buffer = io.BytesIO()
+    torch.save(p, buffer)
+    buffer.seek(0)
+    saved, copied = torch.load(buffer, weights_only=True), copy.deepcopy(p)
+    out["copies"] = [(isinstance(t, nn.Parameter), torch.equal(t, p)) for t in (saved, copied)]
+    with torch.device("meta"):
+        meta = _Net3()
+    fusedist.fully_shard(meta.b)
+    fusedist.fully_shard(meta)
+    meta.to_empty(device="cpu")
+    out["to_empty"] = sorted({(type(q).__name__, hasattr(q, "placements")) for q in meta.parameters()})
     return out
 
 
@@ -334,12 +366,55 @@ def _tree_fingerprint(rank: int, world: int, seed: int) -> dict:
     model.layers[1] = model.layers[1]  # (a registration: the hook counts it, the full comparison finds no change)
     model(x).sum().backward()
     out["same"] = seen()
-    d = model.layers._modules  # same length, no hook: followed at the next full comparison
+    d = model.layers._modules  # same length, no hook: on the way to sharded modules, seen by the spine
     d["0"], d["1"] = d["1"], d["0"]
     model(x).sum().backward()
     out["swap forward"] = seen()
     model.check_consistency()
     out["swap checked"] = seen()
+    return out
+
+
+def _replaced_refused(rank: int, world: int, seed: int) -> dict:
+    """A module the units hold replaced after the first forward -- by assignment (a block given to
+    fully_shard, the ModuleList holding them, a Linear inside a block) or by a direct write of
+    ``_modules`` under its key -- refused at the next forward; each put back, the model trains on and computes
+    as the unsharded one."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = _Stack()
+    torch.manual_seed(seed)
+    model = _Stack()
+    for block in model.layers:
+        fusedist.fully_shard(block)
+    fusedist.fully_shard(model)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(seed + rank))
+    model(x).sum().backward()
+    layers, blocks = model.layers, list(model.layers)
+
+    def refused(replace, restore) -> str:
+        replace()
+        try:
+            model(x).sum().backward()
+            message = ""
+        except RuntimeError as e:
+            message = str(e)
+        restore()
+        return message
+
+    out = {
+        "block": refused(lambda: layers.__setitem__(1, _Block()), lambda: layers.__setitem__(1, blocks[1])),
+        "direct": refused(lambda: layers._modules.__setitem__("2", _Block()),
+                          lambda: layers._modules.__setitem__("2", blocks[2])),
+        "list": refused(lambda: setattr(model, "layers", nn.ModuleList([_Block() for _ in range(3)])),
+                        lambda: setattr(model, "layers", layers)),
+        "inner": refused(lambda: setattr(blocks[0], "lin", nn.Linear(4, 4)),
+                         lambda: setattr(blocks[0], "lin", blocks[0]._fs_state().unit.registrations[0][0][0])),
+    }
+    y = model(x)
+    y.sum().backward()  # (a training step after the refusals)
+    out["restored"] = float((y - ref(x)).detach().abs().max())
     return out
 
 
@@ -405,13 +480,52 @@ def _child_alone_while_gathered(rank: int, world: int, seed: int) -> dict:
             "resharded": not net[1]._fs_state().unit.is_unsharded}
 
 
+def _child_alone_before_root_forward(rank: int, world: int, seed: int) -> dict:
+    """A module of a unit gathered by ``unshard()`` before the root's first forward, called on its own:
+    refused under grad, naming itself; under ``no_grad`` the unsharded module's output; then a training
+    step of the whole model as the unsharded model's (the mean of the ranks' gradients)."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    ref = _build_chain()
+    torch.manual_seed(seed)
+    net = _build_chain()
+    fusedist.fully_shard(net[1])
+    fusedist.fully_shard(net)
+    net[1].unshard()
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(seed + rank))
+    out = {"refused": None}
+    try:
+        net[1][0](x.clone().requires_grad_(True)).sum()
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    with torch.no_grad():
+        out["no_grad"] = float((net[1][0](x) - ref[1][0](x)).abs().max())
+    net[1].reshard()
+    opt, ref_opt = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(seed + 10 + r)) for r in range(world)]
+    net(xs[rank]).square().sum().backward()
+    opt.step()
+    for xr in xs:
+        ref(xr).square().sum().backward()
+    for p in ref.parameters():
+        p.grad /= world
+    ref_opt.step()
+    whole, mine = ref.state_dict(), _whole(net)
+    out["params"] = max(float((v - whole[k]).abs().max()) for k, v in mine.items())
+    return out
+
+
 JOBS = {
     "test_entries_read_as_fsdp2_dtensors": {"entries": (_entries_as_fsdp2, (1234,))},
     "test_entries_outlive_their_model": {"outlive": (_entries_outlive_model, (4321,))},
     "test_grads_read_as_fsdp2_dtensor_grads": {"grads": (_grads_as_fsdp2, (2468,))},
     "test_tree_compared_by_fingerprint": {"tree": (_tree_fingerprint, (97,))},
+    "test_replaced_sharded_submodule_refused_at_next_forward": {"replaced": (_replaced_refused, (23,))},
     "test_group_unit_parameters_named_from_the_root": {"group": (_group_names, (11,))},
     "test_module_called_alone_while_gathered_then_resharded": {"alone": (_child_alone_while_gathered, (5,))},
+    "test_module_called_alone_before_the_root_forward_is_refused": {
+        "alone early": (_child_alone_before_root_forward, (6,))},
 }
 
 
@@ -509,8 +623,9 @@ def test_chunks_are_fsdp2s_at_any_world_size():
 
 
 def test_grads_answer_as_a_subclass_and_train_as_fsdp2(launched):
-    """No name is added to ``torch.Tensor``; a piece's ``.grad`` is a ``ShardGrad`` that answers the
-    four names, ops on it give plain tensors; AdamW (foreach and not) with torch's clip trains as
+    """No name is added to ``torch.Tensor`` or ``nn.Parameter``: a piece is a ``ShardParam`` and its
+    ``.grad`` a ``ShardGrad`` that answer the four names and print as plain ones, ops on them give
+    plain tensors; AdamW (foreach and not) with torch's clip trains as
     FSDP2 (fp32, sums in another order: a few ulps of values ~1e-1); torch DCP round-trips."""
     for rank, out in enumerate(results_of(launched, "grads local")):
         for foreach in (True, False):
@@ -519,20 +634,38 @@ def test_grads_answer_as_a_subclass_and_train_as_fsdp2(launched):
         assert out["grad"] == ("ShardGrad", True, True, True, True), (rank, out["grad"])
         assert out["torch.Tensor"] == [] and out["plain"] == [], (rank, out)
         assert out["copies"] == [(True, True), (True, True)], (rank, out["copies"])  # torch.save, deepcopy: plain
+        params = out["params"]
+        assert params["type"] == ("ShardParam", True, True, True), (rank, params)
+        assert params["nn.Parameter"] == [] and all(params["repr"]), (rank, params)
+        assert params["copies"] == [(True, True), (True, True)], (rank, params)
+        assert params["to_empty"] == [("ShardParam", True)], (rank, params)
         assert out["dcp"] == 0.0, rank
 
 
 def test_tree_compared_by_fingerprint(launched):
-    """Forwards over an unchanged tree run no full comparison; an insert, a delete and an assignment
-    (torch's registration hook) are followed at the next forward, a same-length direct write of the
-    dict at ``check_consistency()``."""
+    """Forwards over an unchanged tree run no full comparison; an insert, a delete, an assignment
+    (torch's registration hook) and a same-length direct write of the dict on the way to sharded
+    modules (the spine) are followed at the next forward."""
     for rank, out in enumerate(results_of(launched, "tree")):
         assert out["unchanged"] == (True, ["layers.0", "layers.1", "layers.2"], 0), (rank, out)
         assert out["insert"] == (True, ["layers.1", "layers.2", "layers.3"], 1), (rank, out)
         assert out["del"] == (True, ["layers.0", "layers.1", "layers.2"], 2), (rank, out)
         assert out["same"] == (True, ["layers.0", "layers.1", "layers.2"], 3), (rank, out)
-        assert out["swap forward"] == (False, ["layers.0", "layers.1", "layers.2"], 3), (rank, out)
-        assert out["swap checked"] == (True, ["layers.1", "layers.0", "layers.2"], 4), (rank, out)
+        assert out["swap forward"] == (True, ["layers.1", "layers.0", "layers.2"], 4), (rank, out)
+        assert out["swap checked"] == (True, ["layers.1", "layers.0", "layers.2"], 5), (rank, out)
+
+
+def test_replaced_sharded_submodule_refused_at_next_forward(launched):
+    """A block given to fully_shard replaced by assignment or by a direct ``_modules`` write under its key,
+    the ModuleList holding the blocks replaced, a block's Linear replaced: the next forward is refused on
+    every rank naming the place (FSDP2 trains on silently, the new parameters unsharded and unreduced);
+    put back, the model's output is the unsharded model's (fp32, the same weights and ops: 1e-6)."""
+    for rank, out in enumerate(results_of(launched, "replaced")):
+        for key, place, cls in (("block", "layers.1", "_Block"), ("direct", "layers.2", "_Block"),
+                                ("list", "layers", "ModuleList"), ("inner", "layers.0.lin", "Linear")):
+            message = out[key]
+            assert f"submodule '{place}' ({cls}) was replaced by a new {cls}" in message, (rank, key, message)
+        assert out["restored"] <= 1e-6, (rank, out)
 
 
 def test_group_unit_parameters_named_from_the_root(launched):
@@ -552,3 +685,16 @@ def test_module_called_alone_while_gathered_then_resharded(launched):
     for rank, out in enumerate(results_of(launched, "alone")):
         assert isinstance(out, dict), (rank, out)
         assert out["x grad"] <= 1e-6 and out["params"] <= 1e-6 and out["resharded"], (rank, out)
+
+
+def test_module_called_alone_before_the_root_forward_is_refused(launched):
+    """A unit gathered by ``unshard()`` before its root's first forward: a module of it called on its own
+    under grad is refused at the call on every rank, naming the module (it failed in its backward,
+    "setStorage ... storage of size 0" once resharded as FSDP2's, else on the missing iteration); under
+    ``no_grad`` it is the unsharded module (same weights and op: exact); the model then trains as the
+    unsharded one (fp32, a mean of 2 in another order: 1e-6)."""
+    for rank, out in enumerate(results_of(launched, "alone early")):
+        message = out["refused"]
+        assert message and "module '<Sequential>.0' (Linear)" in message, (rank, message)
+        assert "before the model's first forward" in message and "torch.no_grad()" in message, (rank, message)
+        assert out["no_grad"] == 0.0 and out["params"] <= 1e-6, (rank, out)

@@ -18,8 +18,10 @@ an optimizer step outdated), ``holder``
 ``dcp`` (state-dict entries torch's distributed checkpoint can save and load), ``whole_entry`` (an
 entry's ``full_tensor()`` and ``to_local()``, as FSDP2's DTensor entries have), ``dtensor_view`` (what
 else an entry answers as FSDP2's DTensor: ``placements``, ``device_mesh``, which shard is its own),
-``param_view`` (the same names on the parameters, the pieces, where FSDP2's are DTensors),
-``grad_view`` (and on the pieces' gradients), ``tree_names`` (units' paths that follow a renumbering),
+``param_view`` (the same names on the parameters, the pieces -- an ``nn.Parameter`` subclass -- where
+FSDP2's are DTensors), ``grad_view`` (and on the pieces' gradients), ``tree_names`` (units' paths that
+follow a renumbering), ``replaced_modules`` (a module the units hold replaced after the first forward:
+refused),
 ``state_dict_hooks`` (the hooks that put those entries in ``state_dict()`` and take them back),
 ``optim_state`` (the same for an optimizer's state over the pieces),
 ``memory`` (what is held), ``param_init`` (initializing a model built on the meta device as

@@ -22,6 +22,16 @@ Note [a unit's module called on its own while gathered]
     hook that gathers the unit again before the call's backward reads the parameters (a collective,
     as the unit's own backward pre-hook: every rank runs that backward), and the backward's end
     reduces and reshards it as after any backward of the unit.
+
+Note [a unit's module called on its own before its root's first forward]
+    The hold above, and the reduction at the backward's end, belong to the iteration the root sets
+    up at its first forward. A unit gathered by ``unshard()`` before that forward has none: such a
+    call's backward failed on the freed parameters once the unit was resharded ("setStorage ...
+    storage of size 0", as FSDP2's), and otherwise on the missing iteration in the gradient hook
+    (FSDP2 leaves those gradients on its unsharded parameters, unreduced, to be added into the
+    next backward's). So such a call under grad is refused at once, on every rank alike (the
+    condition is the model's state), naming the module and what to do; under ``no_grad`` it runs
+    (no backward to hold for), and after any forward of the root it is held as above.
 """
 
 from __future__ import annotations
@@ -56,7 +66,10 @@ def _refuse_ungathered(unit_ref, member_refs: list, state_ref, attr: str, module
     if unit is None:
         return
     if unit.is_unsharded:
-        if torch.is_grad_enabled() and _on_its_own(state_ref()):
+        st = state_ref()
+        if torch.is_grad_enabled() and st is not None and st.ctx is None:
+            _refuse_before_root_forward(unit, member_refs, module)
+        if torch.is_grad_enabled() and _on_its_own(st):
             # Note [a unit's module called on its own while gathered]: a one-shot hook on this call's outputs
             handle = []
             handle.append(module.register_forward_hook(functools.partial(_hold_for_backward, unit_ref, state_ref,
@@ -70,6 +83,19 @@ def _refuse_ungathered(unit_ref, member_refs: list, state_ref, attr: str, module
         f"{unit.rank}'s pieces alone (a wrong result, then a failing backward). Call {member} or the "
         "model instead; a module that must run on its own needs its "
         "own fully_shard call, made before its parent's.")
+
+
+def _refuse_before_root_forward(unit, member_refs: list, module) -> None:
+    """Note [a unit's module called on its own before its root's first forward]."""
+    members = [m for m in (r() for r in member_refs) if m is not None]
+    member, path = _paths(unit.path, members, module)
+    raise RuntimeError(
+        f"fusedist.fully_shard: module '{path}' ({type(module).__name__}) was called on its own under grad while "
+        f"unit {unit.label} is gathered (unshard()) before the model's first forward: until the root's first "
+        "forward sets up the iteration, nothing can hold the unit gathered for this call's backward or reduce the "
+        "gradients it gives (torch's FSDP2 fails in that backward if the unit was resharded, else leaves them "
+        f"unreduced). Run the model's forward once first (an evaluation under torch.no_grad() will do), make this "
+        f"call under torch.no_grad(), or call {member} or the model instead.")
 
 
 def _on_its_own(st) -> bool:

@@ -80,9 +80,6 @@ _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # unit -> [
 
 def record_mesh(unit, mesh, groups) -> None:
     """Remember what ``unit`` was sharded over (``fully_shard``'s ``mesh``, else its groups)."""
-    from .param_view import install  # Note [parameters read as DTensors] in param_view.py
-
-    install()
     _MESHES[unit] = _UnitMeshes(mesh, groups.shard, groups.device.type, groups.replicate is not None)
 
 

@@ -38,7 +38,7 @@ Note [gradients read as DTensors]
     What differs from FSDP2: ``isinstance(p.grad, DTensor)`` is False, its shape is the
     piece's, ``full_tensor()`` is a copy outside autograd, and ``p.grad.clone()`` (or any
     result of an op on it, ``copy.deepcopy`` and ``torch.save`` of it) is a plain tensor without
-    these names; ``type(p.grad)`` is ``ShardGrad``.
+    these names; ``type(p.grad)`` is ``ShardGrad`` (it prints as a plain tensor).
 """
 
 from __future__ import annotations
@@ -144,6 +144,10 @@ class ShardGrad(torch.Tensor):
     device_mesh = property(_device_mesh)
     full_tensor = property(_full_tensor)
     to_local = property(_to_local)
+
+    def __repr__(self) -> str:
+        # printed as the plain tensor it is to every op (torch names a subclass: "ShardGrad(...)")
+        return repr(self.as_subclass(torch.Tensor))
 
     def __reduce_ex__(self, protocol):
         # saved as the plain tensor it is to every op: ``torch.load(weights_only=True)`` knows no ShardGrad

@@ -5,11 +5,11 @@ Note [parameters read as DTensors]
     FSDP2's ``model.parameters()`` are DTensors, and code written for it reads them as such:
     ``p.placements`` / ``p.device_mesh`` to tell how a parameter is laid out, ``p.full_tensor()``
     to log or export a whole weight, ``p.to_local()`` for this rank's shard (torchtitan's
-    utilities do all four). fusedist's parameters are this rank's pieces, plain tensors, so
-    these raised AttributeError. The first ``fully_shard`` gives ``nn.Parameter`` the four
-    names, answering for the pieces of live units only (any other parameter still raises
-    AttributeError, so ``hasattr(p, "to_local")`` stays False for it), with FSDP2's answers --
-    those of the state-dict entries (Note [entries read as DTensors] in dtensor_view.py):
+    utilities do all four). fusedist's parameters are this rank's pieces, so these raised
+    AttributeError. Each piece is a ``ShardParam``, an ``nn.Parameter`` subclass that answers the
+    four names while it is a live unit's piece (else AttributeError, so ``hasattr(p, "to_local")``
+    is False for a piece whose model was dropped), with FSDP2's answers -- those of the state-dict
+    entries (Note [entries read as DTensors] in dtensor_view.py):
 
     * ``placements``, ``device_mesh``: FSDP2's, no collective.
     * ``full_tensor()``: the whole (global, under tensor parallelism) parameter, a collective
@@ -24,8 +24,20 @@ Note [parameters read as DTensors]
       ``to_local()`` is never a collective, and a gathered copy would neither take writes nor
       be safe to call on one rank (logging on rank 0).
 
-    What still differs: ``isinstance(p, DTensor)`` is False; ``p.shape``, ``p.numel()`` and
-    ``p.size()`` are the piece's (FSDP2's are the whole parameter's: count parameters as
+    The names live on the subclass, not on ``nn.Parameter``: they used to be properties the first
+    ``fully_shard`` added to ``nn.Parameter`` itself, so every parameter of the process, of any
+    model, answered ``hasattr(p, "device_mesh")`` by a lookup, and code telling DTensor-like
+    parameters by those names (another library, torch's own checks) saw every parameter changed.
+    ``ShardParam`` is a plain parameter to every op (``__torch_function__`` disabled, as
+    ``nn.Parameter``'s), prints as one, is saved as one (``torch.load(weights_only=True)`` knows no
+    ``ShardParam``; a deep copy is a ``ShardParam`` no unit holds, answering none of the names), and
+    is added to torch's foreach type lists (``torch.optim``'s and the clip's) as torch adds DTensor,
+    so optimizers keep their foreach default. A conversion torch cannot make in place gives a piece
+    a new plain ``nn.Parameter`` (``to_empty`` from the meta device): the unit makes it a
+    ``ShardParam`` as it adopts it (``as_piece``).
+
+    What still differs: ``isinstance(p, DTensor)`` is False; ``type(p)`` is ``ShardParam``; ``p.shape``,
+    ``p.numel()`` and ``p.size()`` are the piece's (FSDP2's are the whole parameter's: count parameters as
     ``sum(p.full_tensor().numel() ...)``, or by ``fusedist.fsdp.full_state_dict``'s shapes);
     ``p.grad`` is the piece's gradient, a ``ShardGrad`` (a tensor subclass) answering the same names (Note
     [gradients read as DTensors] in grad_view.py; the clip and ``get_total_norm`` measure the
@@ -38,9 +50,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["install", "piece_view", "param_name", "is_fsdp2_shard", "local_getter"]
-
-_NAMES = ("placements", "device_mesh", "full_tensor", "to_local")
+__all__ = ["ShardParam", "as_piece", "piece_view", "param_name", "is_fsdp2_shard", "local_getter"]
 
 
 def piece_view(p: torch.Tensor):
@@ -147,14 +157,47 @@ def is_fsdp2_shard(unit, index: int, view) -> bool:
     return unit.tp_comm is None or unit.layout.section_of(index)[0].chunked
 
 
-def install() -> None:
-    """Give ``nn.Parameter`` the names (Note [parameters read as DTensors]); idempotent, and nothing
-    where torch already defines one of them. (The pieces' gradients answer them as ``ShardGrad``s:
-    Note [gradients read as DTensors] in grad_view.py.)"""
-    if getattr(nn.Parameter, "_fusedist_dtensor_names", False):
-        return
-    names = [n for n in _NAMES if n not in vars(nn.Parameter) and not hasattr(torch.Tensor, n)]
-    getters = dict(zip(_NAMES, (_placements, _device_mesh, _full_tensor, _to_local)))
-    for name in names:
-        setattr(nn.Parameter, name, property(getters[name]))
-    nn.Parameter._fusedist_dtensor_names = True
+class ShardParam(nn.Parameter):
+    """A unit's piece: an ``nn.Parameter`` to every op, that answers FSDP2's DTensor names while it is
+    a live unit's piece (Note [parameters read as DTensors])."""
+
+    placements = property(_placements)
+    device_mesh = property(_device_mesh)
+    full_tensor = property(_full_tensor)
+    to_local = property(_to_local)
+
+    def __new__(cls, data=None, requires_grad: bool = True):
+        if not _FOREACH[0]:
+            _foreach_capable()
+        return super().__new__(cls, data, requires_grad)
+
+    def __repr__(self) -> str:
+        # as a plain parameter prints (torch names a subclass: "Parameter(ShardParam(...))")
+        text = repr(self.detach())
+        return "Parameter containing:\n" + (text[:-1] + ", requires_grad=True)" if self.requires_grad else text)
+
+
+def as_piece(p: torch.Tensor) -> torch.Tensor:
+    """``p`` as a unit's piece: a plain ``nn.Parameter`` a conversion made becomes a ``ShardParam``
+    in place (same object, what the modules and an optimizer hold); any other tensor (an extension
+    subclass, already a ``ShardParam``) is left as it is."""
+    if type(p) is nn.Parameter:
+        if not _FOREACH[0]:
+            _foreach_capable()
+        p.__class__ = ShardParam
+    return p
+
+
+_FOREACH = [False]
+
+
+def _foreach_capable() -> None:
+    """torch's optimizers and clip take the foreach paths only for the types in their lists: a
+    ``ShardParam`` is a plain parameter to their kernels (as torch lists DTensor)."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if ShardParam not in types:
+            types.append(ShardParam)
+    _FOREACH[0] = True

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .layout import DimShardedError, alias
+from .param_view import as_piece
 from .tree_names import param_path
 
 
@@ -210,6 +211,7 @@ class PieceMixin:
             if held is not None and held is not self.sharded[i]:
                 self.sharded[i] = held
                 adopted.append((i, held))
+            as_piece(self.sharded[i])  # (a plain parameter a conversion made: Note [parameters read as DTensors])
             self._register(i, self.sharded[i])
         return adopted
 

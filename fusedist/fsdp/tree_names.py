@@ -35,19 +35,23 @@ Note [the tree's fingerprint]
     only when the fingerprint changed (a registration anywhere in the process is enough). What
     the fingerprint does not see: a direct write of a module under a key already present
     (``parent._modules["1"] = other``, no hook, same length) or a ``_modules`` dict replaced
-    without its old one changing; they are followed at the next full comparison -- the next
+    without its old one changing. On the way from the root to a module given to ``fully_shard``
+    such a write is seen by the spine at the next forward (Note [a sharded submodule replaced] in
+    replaced_modules.py); elsewhere it is followed at the next full comparison -- the next
     fingerprint change or ``check_consistency()``.
 """
 
 from __future__ import annotations
 
 from operator import attrgetter
+from typing import Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._process_hooks import install_module_registration_hook
 from ..ddp.module_tree import ModuleTree
+from .replaced_modules import Places, Spine, check_replaced
 
 __all__ = ["RootTree", "name_units", "param_path"]
 
@@ -82,27 +86,36 @@ class _Fingerprint:
 class RootTree:
     """The root's modules' trees as last seen (Note [unit paths follow the module])."""
 
-    __slots__ = ("modules", "trees", "fingerprint", "full_compares")
+    __slots__ = ("modules", "trees", "fingerprint", "full_compares", "places", "spine")
 
     def __init__(self, modules: list):
         self.modules = list(modules)
         self.trees = [ModuleTree(m) for m in self.modules]
         self.fingerprint = _Fingerprint(self.trees)
         self.full_compares = 0  # (how often the fingerprint sent it to the full comparison)
+        # where each module was, and the modules on the way to the sharded ones (Note [a sharded
+        # submodule replaced] in replaced_modules.py): taken at the first refresh, which knows the states
+        self.places: Optional[Places] = None
+        self.spine: Optional[Spine] = None
 
     def refresh(self, states: list, watch=None, full: bool = False) -> bool:
         """Rename the units of ``states`` and ``watch``'s parameters if the tree changed since
-        last seen; whether it did. Compared in full only where ``full`` or the fingerprint
-        changed (Note [the tree's fingerprint])."""
-        if not full and self.fingerprint.same():
+        last seen; whether it did. Compared in full only where ``full``, the fingerprint changed
+        (Note [the tree's fingerprint]) or a module on the way to a sharded one was replaced;
+        refused where a module the units hold was replaced (Note [a sharded submodule replaced])."""
+        if self.places is None:
+            self._take_places(states)
+        if not full and self.fingerprint.same() and self.spine.holds():
             return False
         self.full_compares += 1
         if all(tree.unchanged() for tree in self.trees):
             self.fingerprint = _Fingerprint(self.trees)
             return False
+        check_replaced(self.places, self.modules, states)
         for tree, module in zip(self.trees, self.modules):
             tree.snapshot(module)
         self.fingerprint = _Fingerprint(self.trees)
+        self._take_places(states)
         name_units(states, {id(m): n for member in self.modules for n, m in member.named_modules()})
         if watch is not None:
             params = WeakIdKeyDictionary()  # (weak: a parameter that leaves the tree is not kept alive)
@@ -112,6 +125,10 @@ class RootTree:
                         params[p] = n
             watch.names_changed(params)
         return True
+
+    def _take_places(self, states: list) -> None:
+        self.places = Places(self.modules)
+        self.spine = Spine(self.places, states)
 
 
 def name_units(states: list, names: dict) -> None:

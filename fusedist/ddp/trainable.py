@@ -305,6 +305,14 @@ def _words(owner, rank: int) -> tuple:
 # Note [parameters replaced after wrapping]: module -> [(tracker, qualified-name prefix)].
 _followed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
+# Note [registrations while dynamo traces]
+# A compiled forward that slices a ModuleList (``self.layers[1:]`` builds a new one, registering its
+# members) ran the registration hooks below inside the trace: dynamo guarded on the length of
+# ``_followed``'s weak dict, which changes whenever a wrapped model is garbage-collected, and such a
+# forward recompiled at random (up to the recompile limit). The hooks do nothing while dynamo traces:
+# what a compiled region registers into is a container it built (no followed module); an assignment
+# into a wrapped module made inside a compiled function is not noted (make such changes outside it).
+
 
 def follow_assignments(module, tracker: TrainableTracker) -> None:
     """Have Parameter assignments and submodules added into ``module`` or its submodules noted
@@ -351,6 +359,8 @@ def _current_entries(module) -> list:
 
 
 def _parameter_registered(module, name: str, param):
+    if torch.compiler.is_compiling():  # (Note [registrations while dynamo traces])
+        return None
     for tracker, prefix in _current_entries(module):
         tracker.note_assignment(prefix + name, param, module, name)
     return None  # the Parameter is registered unchanged
@@ -359,6 +369,8 @@ def _parameter_registered(module, name: str, param):
 def _module_registered(module, name: str, submodule):
     """A submodule registered into a followed module: its Parameters are noted as assigned
     (those followed already under another name excepted) and its tree is followed."""
+    if torch.compiler.is_compiling():  # (Note [registrations while dynamo traces])
+        return None
     for tracker, prefix in _current_entries(module):
         _registered_into(tracker, module, prefix, name, submodule)
     return None  # the submodule is registered unchanged

@@ -127,3 +127,55 @@ def test_a_load_that_is_not_strict_over_the_saved_parameters_is_torchs_load_stat
                 assert torch.equal(ours["state"][i][key], value), (type(mine).__name__, i, key)
     for p, q in zip(model.body.parameters(), saved.body.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["torch dcp", "torch dcp flattened, groups recorded"])
+def test_torch_dcp_of_a_list_into_a_position_of_another_group_count_is_refused_naming_it(tmp_path, flat):
+    """torch's distributed checkpoint of ``get_state_dict(model, [opts])``: a position's optimizer
+    in one param group took the state saved in two (merged by name, as pipeline stages re-split
+    may be); torch's load_state_dict refuses another number of groups, and so does the list now,
+    naming the position and both counts, nothing changed. In the saved grouping it loads as
+    torch's set_state_dict loads it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    seed = int.from_bytes(os.urandom(2), "little")
+    torch.manual_seed(seed)
+    saved = _Net(1)
+    saved_opts = _optimizers(saved, groups=2)
+    saved.head(saved.body(torch.randn(5, 3))).square().mean().backward()
+    for opt in saved_opts:
+        opt.step()
+    msd, osd = get_state_dict(saved, saved_opts, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+    if flat:
+        osd = checkpoint.record_param_groups(saved, saved_opts, osd)
+    path = str(tmp_path / "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (one process: DCP warns that it saves alone)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    with pytest.raises(ValueError, match="different number of parameter groups"):  # torch's own refusal
+        _optimizers(_Net(1))[0].load_state_dict(saved_opts[0].state_dict())
+
+    torch.manual_seed(seed + 1)
+    model = _Net(1)
+    opts = _optimizers(model)
+    before = [p.detach().clone() for p in model.parameters()], [_state(o) for o in opts]
+    with pytest.raises(CheckpointError, match=r"optimizer 0 \(AdamW\) of the list in .*holds its parameters in 1 "
+                       r"param group\(s\), the checkpoint in 2 .*nothing was loaded"):
+        checkpoint.load(path, model, opts)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], model.parameters()))
+    for o, state in zip(opts, before[1]):
+        assert _state(o)[0] == state[0] and not o.state
+
+    same = _optimizers(model, groups=2)
+    checkpoint.load(path, model, same)
+    reference = _Net(1)
+    reference_opts = _optimizers(reference, groups=2)
+    set_state_dict(reference, reference_opts, model_state_dict=msd, optim_state_dict=osd)
+    for mine, theirs in zip(same, reference_opts):
+        ours, expected = _state(mine), _state(theirs)
+        assert ours[0] == expected[0] and ours[1].keys() == expected[1].keys()
+        for i, s in expected[1].items():
+            assert all(torch.equal(ours[1][i][k], v) for k, v in s.items()), (type(mine).__name__, i)

@@ -355,14 +355,16 @@ def _recorded_groups(members: list, settings: dict, known: set, source: str, oth
 
 
 def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: str, others: bool = False,
-                    one_saved: bool = True) -> dict:
+                    one_saved: bool = True, own_groups: bool = False) -> dict:
     """The optimizer state ``optim`` (by parameter name) as torch's ``state_dict()`` of an
     optimizer whose parameters are named ``names``, in its param groups ``optimizer_groups``
     (each takes the saved settings of its parameters; an empty one keeps its own), ``others``:
     as in :func:`_nested`. ``one_saved``: ``optim``'s groups are one saved optimizer's, in its
     order (not several pipeline stages' put together), so a parameter in another group than
     the one it was saved in, or groups merged or split, is refused (Note [parameters moved
-    between param groups])."""
+    between param groups]); with ``others`` too where ``own_groups``: the saved groups holding
+    ``names`` are one optimizer's of a saved list (Note [one position, one set of parameters] in
+    ``_optimizer_list.py``), not pipeline stages' that a re-split may merge."""
     group_sizes = [len(g["params"]) for g in optimizer_groups]
     state, groups, grouped = _nested(_without_ddp_prefix(optim, names), names, source, others)
     if not names and groups and all(isinstance(i, int) for g in groups for i in g.get("params", [])):
@@ -378,7 +380,7 @@ def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: st
         raise CheckpointError(f"fusedist.checkpoint: {source} has no parameter {missing[0]!r} of the optimizer "
                               f"({len(missing)} of {len(names)} missing)")
     if grouped and one_saved:
-        _refuse_regrouped(groups, group_of, names, group_sizes, source, count_must_match=not others)
+        _refuse_regrouped(groups, group_of, names, group_sizes, source, count_must_match=own_groups or not others)
     out_groups, out_state, start = [], {}, 0
     for size, own in zip(group_sizes, optimizer_groups):
         members = names[start:start + size]

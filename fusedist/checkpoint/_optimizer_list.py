@@ -45,9 +45,19 @@ MANIFEST_KEY = "optimizer_list"
 #: when a load compares them with the ones that saved its position (Note [one position, one set of parameters])
 _MODEL_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
+#: the modules :func:`views` cut: parts of a load that are one list's positions, each optimizer's own
+#: param groups (not a pipeline stage's, which a re-split may legitimately merge; Note [one position,
+#: one set of parameters])
+_VIEWS: "weakref.WeakSet" = weakref.WeakSet()
+
 
 def is_list(optimizer) -> bool:
     return isinstance(optimizer, (list, tuple))
+
+
+def is_view(module) -> bool:
+    """Whether ``module`` is a position's view of a list of optimizers (:func:`views`)."""
+    return module in _VIEWS
 
 
 def classes(optimizers) -> list:
@@ -83,6 +93,7 @@ def views(model: torch.nn.Module, optimizers, where: str) -> list:
         except TypeError:  # (an optimizer that takes no weak reference is not checked by name)
             pass
     shells = [torch.nn.Module() for _ in optimizers]
+    _VIEWS.update(shells)
     for p, keys in names.items():
         for key in keys:
             _place(shells[owner.get(p, 0)], key, p, parameter=True)

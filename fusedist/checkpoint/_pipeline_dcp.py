@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _dcp_algorithm, _from_dcp, _load_plan, _names
+from . import _dcp_algorithm, _from_dcp, _load_plan, _names, _optimizer_list
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
@@ -24,7 +24,7 @@ def prepare(directory: str, held: list, scaler, strict: bool, trusted: bool) -> 
     digest, tree = _from_dcp.read(directory, trusted)
     read = pipeline.loaded_objects(directory, digest, strict, held, scaler)
     plans, every_key, every_param = [], {}, {}
-    for module, optimizer in held:
+    for position, (module, optimizer) in enumerate(held):
         target = _names.unwrap(module)
         expected, sharded_target = _load_plan._expected_model(target)
         why = None
@@ -45,9 +45,12 @@ def prepare(directory: str, held: list, scaler, strict: bool, trusted: bool) -> 
             params = optimizer_params(optimizer)
             if optim is None and params:  # (one over no parameters takes nothing: as from fusedist's own)
                 raise CheckpointError(why or f"fusedist.checkpoint: {directory} holds no optimizer state")
-            source = f"optimizer state in {directory}"
+            listed = _optimizer_list.is_view(module)  # (its groups: one optimizer's own, as many as saved)
+            source = (f"the state of optimizer {position} ({type(optimizer).__name__}) of the list in {directory}"
+                      if listed else f"optimizer state in {directory}")
             plan["params"] = param_names(module, params)
-            full = _from_dcp.to_torch_format(optim or {}, plan["params"], optimizer.param_groups, source, others=True)
+            full = _from_dcp.to_torch_format(optim or {}, plan["params"], optimizer.param_groups, source, others=True,
+                                             own_groups=listed)
             if params and _from_dcp.by_index(optim):  # (what check_taken compares: the saved indices)
                 plan["params"] = [str(i) for i in range(len(params))]
             _dcp_algorithm.check(full["param_groups"], optimizer, directory)

@@ -268,8 +268,42 @@ def _check_backward(optimizer, watches) -> None:
         if not watch.last_backward_synced:
             raise RuntimeError(
                 f"fusedist (rank {watch.rank}): {type(optimizer).__name__}.step() after a backward pass "
-                f"{watch.unsynced_advice}"
+                f"{_torch_ddp_advice(watch) or watch.unsynced_advice}"
             )
+
+
+def _torch_ddp_advice(watch):
+    """Why the backward was not synchronized where a torch ``DistributedDataParallel`` wraps the
+    module a fusedist wrapper still owns (Note [a torch DDP over a fusedist wrapper's module]); None
+    otherwise. On the refusal's path only: it scans the live objects."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from .engine_watch import _wrapper_of
+
+    owner = _wrapper_of(getattr(watch, "_engine", None))
+    module = getattr(owner, "module", None)
+    if module is None or not any(isinstance(o, TorchDDP) and o.__dict__.get("_modules", {}).get("module") is module
+                                 for o in gc.get_objects()):
+        return None
+    return (f"through torch's DistributedDataParallel, which wraps the {type(module).__name__} module that "
+            "fusedist.DistributedDataParallel wrapped before: the fusedist wrapper still owns "
+            "its parameters and synchronized nothing in that backward, so the step is refused rather than "
+            "applying gradients two wrappers disagree about. Wrap the module in one DistributedDataParallel: to "
+            "train it with torch's, drop every reference to the fusedist wrapper (del it, then gc.collect()); "
+            "or keep training through the fusedist wrapper alone.")
+
+
+# Note [a torch DDP over a fusedist wrapper's module]
+# A program that wraps its module in fusedist.DistributedDataParallel and then, on the same module,
+# in torch's (a second experiment in one process, a library that wraps what it is given) steps
+# after a backward through torch's wrapper. The fusedist wrapper still owns the parameters, saw a
+# backward that its own forward did not start and calls it unsynchronized: the refusal blamed
+# no_sync() or model.module. It now names torch's wrapper and what to do. The wrapper is not
+# retired at torch's first forward here, as Fabric's strategy does (Note [a torch DDP over a module
+# set up before] in fusedist/integrations/_retirement.py): that takes a forward pre-hook on the
+# module, a call on every forward of the common path and a hook for torch.compile to trace.
 
 
 def _refuse_inside_backward(optimizer, watch) -> None:

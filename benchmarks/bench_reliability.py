@@ -118,14 +118,29 @@ def worker(rank, world_size, args):
     }
 
 
-def main(argv=None):
+#: what ``--quick`` sets, unless the option is given too
+QUICK = {"width": 512, "layers": 4, "rounds": 3, "steps": 3}
+
+
+def parse_options(argv=None) -> argparse.Namespace:
+    """The options, ``--quick``'s sizes standing in for the defaults only: parsed again with them
+    as defaults, so an option given explicitly wins whichever comes first (``--quick --width 256``
+    is a smoke run of width 256), as in bench_ddp.py."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p, rounds=12, steps=2)
+    add_model_args(p, rounds=12, steps=2, quick_help=(
+        "smoke-run sizes: " + ", ".join(f"--{k} {v}" for k, v in QUICK.items())
+        + "; an option given explicitly keeps its value"))
     p.add_argument("--swap", action="store_true", help="checks-on copy on the new group, off on the default")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.width, args.layers, args.rounds, args.steps = 512, 4, 3, 3
+        p.set_defaults(**QUICK)
+        args = p.parse_args(argv)
+    return args
+
+
+def main(argv=None):
+    args = parse_options(argv)
 
     from fusedist.testing import run_distributed
 

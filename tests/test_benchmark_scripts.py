@@ -17,10 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: {test: the benchmark script's command line (after the interpreter)}
 _SCRIPTS = {
-    # (width 32, not the CPU default 64, and one untimed round: the rows are all this checks; two
-    # blocks still gather in turn)
+    # (width 16, not the CPU default 64, and no untimed round: the rows are all this checks, not
+    # their figures -- the one round then carries the first steps' one-time costs; two blocks
+    # still gather in turn)
     "test_gpt_step_benchmark_runs_on_cpu": ("bench_gpt_step.py", "--device", "cpu", "--repeats", "1", "--no-write",
-                                            "--width", "32", "--warmup", "1"),
+                                            "--width", "16", "--warmup", "0"),
     # (--quick's sizes but a narrower MLP and a shorter stack, given explicitly: they win over
     # --quick; each contender is still launched alone)
     "test_ddp_benchmark_runs_both_rows": ("bench_ddp.py", "--no-write", "--quick", "--width", "256",
@@ -95,3 +96,22 @@ def test_amp_step_host_benchmark_runs(script_runs):
     time another path), one row per dtype and unscale mode."""
     stdout = _output(script_runs, "test_amp_step_host_benchmark_runs")
     assert stdout.count(" total ") == 4, stdout
+
+
+def test_reliability_benchmark_explicit_options_win_over_quick():
+    """bench_reliability's ``--quick`` stands in for the defaults only, as bench_ddp's does: an
+    option given with it keeps its value, before or after ``--quick`` (it overwrote them)."""
+    import importlib
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        bench = importlib.import_module("bench_reliability")
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    for argv in (["--quick", "--width", "256", "--steps", "7"], ["--width", "256", "--steps", "7", "--quick"]):
+        args = bench.parse_options(argv)
+        assert (args.width, args.steps, args.layers, args.rounds) == (256, 7, 4, 3), (argv, args)
+    args = bench.parse_options(["--quick"])
+    assert (args.width, args.layers, args.rounds, args.steps) == (512, 4, 3, 3), args
+    args = bench.parse_options([])
+    assert (args.width, args.layers, args.rounds, args.steps) == (1536, 8, 12, 2), args

@@ -8,7 +8,17 @@ limit made an error), in configurations that failed:
   than eight shapes: the lookup of each parameter's gradient holder, traced, recompiled per
   shape past the limit.
 
+* torch's ``clip_grad_norm_`` / ``clip_grad_value_`` over parameters no fusedist object shards, in
+  ``torch.compile(..., fullgraph=True)``, once a ``fully_shard`` unit exists in the process (which
+  replaces torch's clip process-wide, Note [torch's clip on plain parameters under torch.compile]
+  in fusedist/optim/torch_clip.py): the replacement ran eagerly, so dynamo refused the graph that
+  it captures whole with torch's own function.
+
 Compared with torch's DDP run eagerly; the number of graphs stays the same from step to step.
+The plain clips are compared with torch's clip as shipped, run eagerly on the same fresh
+gradients (fp32, the same operations in the same order: 1e-6), traced once for every step; the
+sharded path keeps its global norm (torch's clip on the whole model over both ranks' batches)
+and, under fullgraph=True, its refusal naming why.
 """
 
 from __future__ import annotations
@@ -90,6 +100,75 @@ def _join_worker(rank, ws):
     return out
 
 
+PLAIN_STEPS, PLAIN_MAX_NORM, PLAIN_CLIP_VALUE = 3, 0.1, 0.05
+PLAIN_TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def _plain_fullgraph_worker(rank, ws):
+    """torch's clips over plain parameters compiled with fullgraph=True beside a fully_shard unit."""
+    import gc
+
+    import fusedist
+    from torch._dynamo.testing import CompileCounter
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fusedist.optim import torch_clip
+    from fusedist.optim.torch_clip import torch_clip_grad_norm_
+
+    gc.collect()  # (the earlier scenarios' models: none collected while this one compiles)
+    torch_clip_value = torch_clip._TORCH_CLIP_VALUE  # torch's own, as shipped
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 1))
+    sharded = fusedist.fully_shard(copy.deepcopy(base), mesh=init_device_mesh("cpu", (ws,)))
+    assert torch.nn.utils.clip_grad_value_ is not torch_clip_value, "the clip was not replaced"
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    plain = nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 3))
+    reference = copy.deepcopy(plain)
+    norm_counter, value_counter = CompileCounter(), CompileCounter()
+
+    @torch.compile(fullgraph=True, backend=norm_counter)
+    def clip_norm():
+        return torch.nn.utils.clip_grad_norm_(plain.parameters(), PLAIN_MAX_NORM)
+
+    @torch.compile(fullgraph=True, backend=value_counter)
+    def clip_value():
+        torch.nn.utils.clip_grad_value_(plain.parameters(), PLAIN_CLIP_VALUE)
+
+    for step in range(PLAIN_STEPS):
+        for p, r in zip(plain.parameters(), reference.parameters()):
+            p.grad = torch.randn(p.shape, generator=gen)
+            r.grad = p.grad.clone()
+        norm = clip_norm()
+        expected = torch_clip_grad_norm_(reference.parameters(), PLAIN_MAX_NORM)
+        torch.testing.assert_close(norm, expected, **PLAIN_TOL, msg=lambda m: f"rank {rank} step {step} norm: {m}")
+        clip_value()
+        torch_clip_value(reference.parameters(), PLAIN_CLIP_VALUE)
+        for p, r in zip(plain.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, **PLAIN_TOL, msg=lambda m: f"rank {rank} step {step}: {m}")
+    assert (norm_counter.frame_count, value_counter.frame_count) == (1, 1), (
+        f"rank {rank}: traced {norm_counter.frame_count} / {value_counter.frame_count} times in {PLAIN_STEPS} steps")
+
+    # the sharded path: the global norm, and under fullgraph=True the eager replacement's refusal
+    xs = [torch.randn(3, 6, generator=torch.Generator().manual_seed(50 + r)) for r in range(ws)]
+    full = copy.deepcopy(base)
+    sum(F.mse_loss(full(x), x[:, :1]) for x in xs).div(ws).backward()
+    expected = torch_clip_grad_norm_(full.parameters(), PLAIN_MAX_NORM)
+    F.mse_loss(sharded(xs[rank]), xs[rank][:, :1]).backward()
+    norm = torch.compile(lambda: torch.nn.utils.clip_grad_norm_(sharded.parameters(), PLAIN_MAX_NORM),
+                         backend="eager")()
+    torch.testing.assert_close(norm, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} sharded: {m}")
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda: torch.nn.utils.clip_grad_norm_(sharded.parameters(), PLAIN_MAX_NORM),
+                      backend="eager", fullgraph=True)()
+    except Exception as e:  # dynamo's error type differs between versions
+        assert "replaced by fusedist" in str(e), f"rank {rank}: {e}"
+    else:
+        raise AssertionError(f"rank {rank}: the sharded clip was captured under fullgraph=True")
+    return True
+
+
 @pytest.fixture(scope="module")
 def shared_launch(request):
     """One launch of 2 ranks runs the selected tests' workers in turn, each with a fresh dynamo
@@ -99,6 +178,9 @@ def shared_launch(request):
         "test_join_context_inside_compiled_step_matches_torch": {"join": (_join_worker,)},
         "test_compiled_training_loop_in_join_context_with_uneven_inputs_matches_torch": {"uneven": (_uneven_worker,)},
         "test_clip_in_compiled_step_over_many_parameter_shapes_matches_torch": {"clip": (_clip_worker,)},
+        # (last: the models it leaves would change when the others' are collected, and so their guards)
+        "test_torch_clip_of_plain_parameters_compiles_fullgraph_beside_fully_shard": {
+            "plain_fullgraph": (_plain_fullgraph_worker,)},
     }), 2, timeout=600)
 
 
@@ -217,3 +299,7 @@ def test_clip_in_compiled_step_over_many_parameter_shapes_matches_torch(shared_l
         for how, (diff, graphs) in out.items():
             assert diff < 1e-5, f"rank {rank}, {how}: max |torch DDP - fusedist| = {diff}"
             assert graphs[-1] == graphs[0], f"rank {rank}, {how}: recompiled, graphs after each step {graphs}"
+
+
+def test_torch_clip_of_plain_parameters_compiles_fullgraph_beside_fully_shard(shared_launch):
+    assert results_of(shared_launch, "plain_fullgraph") == [True, True]

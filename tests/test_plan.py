@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from fusedist.plan import ModelSpec, activation_bytes, count_params, from_hf_config, model_states
-from fusedist.plan.model import recomputed_layer_bytes
+from fusedist.plan.model import param_tensors, recomputed_layer_bytes
 from fusedist.plan import cli, comm, suggest
 from fusedist.plan.memory import STRATEGIES
 
@@ -220,15 +220,21 @@ def test_nothing_fits_gives_a_model_parallel_layout(capsys):
 def test_layout_tensor_parallel_divides_the_key_value_heads(capsys):
     """Megatron-LM splits grouped-query attention by whole query groups (the key/value heads
     must divide by tp): with one key/value head (multi-query) no tensor parallelism is
-    possible (and the same 70B model then needs full recomputation)."""
+    possible (and the same 70B model then needs full recomputation, or a pipeline whose first
+    stage holds fewer micro-batches than stages: Note [activations under pipeline parallelism])."""
     shape = ["--arch", "llama", "--layers", "80", "--hidden", "8192", "--heads", "64", "--ffn-hidden", "28672",
              "--vocab", "32000", "--seq", "4096", "--gpus", "64", "--json"]
     for kv in ("8", "2"):
         code, out, _ = run_cli(capsys, *shape, "--kv-heads", kv, "--recompute", "selective")
         lay = json.loads(out)["suggestion"]["layout"]
         assert code == 0 and lay["tp"] == 2, (kv, lay)
-    code, out, _ = run_cli(capsys, *shape, "--kv-heads", "1", "--recompute", "selective")
+    # 16 micro-batches a step under 1F1B: the first stage holds pp of them, all 80 blocks' worth
+    code, out, _ = run_cli(capsys, *shape, "--kv-heads", "1", "--recompute", "selective", "--global-batch", "1024")
     assert code == 1 and json.loads(out)["suggestion"]["layout"] is None  # was tp=2
+    # one micro-batch a step: a stage holds its 80 / pp blocks of it
+    code, out, _ = run_cli(capsys, *shape, "--kv-heads", "1", "--recompute", "selective")
+    lay = json.loads(out)["suggestion"]["layout"]
+    assert code == 0 and lay["tp"] == 1 and lay["pp"] > 1, lay
     code, out, _ = run_cli(capsys, *shape, "--kv-heads", "1", "--recompute", "full")
     assert code == 0 and json.loads(out)["suggestion"]["strategy"] == "zero3"  # ZeRO-3 fits with full recompute
 
@@ -591,13 +597,15 @@ def test_host_memory_per_node_is_shared_by_the_nodes_ranks(capsys):
     (two nodes): the same bytes a GPU, a node's sum over its own ranks only."""
     code, out, _ = run_cli(capsys, *LLAMA_7B, "--gpus", "8", "--gpus-per-node", "8", "--json")
     one = json.loads(out)["memory"]
-    psi = count_params(ModelSpec(arch="llama", layers=32, hidden=4096, heads=32, ffn_hidden=11008, vocab=32000))
-    assert one["zero3_offload"]["host_bytes"] == round(16 * psi / 8)
-    assert one["zero3_offload"]["host_node_bytes"] == round(16 * psi)
+    spec = ModelSpec(arch="llama", layers=32, hidden=4096, heads=32, ffn_hidden=11008, vocab=32000)
+    psi = count_params(spec)
+    steps = 4 * len(param_tensors(spec))  # the pieces' step counts (Note [step counts] in memory.py)
+    assert one["zero3_offload"]["host_bytes"] == round(16 * psi / 8) + steps
+    assert one["zero3_offload"]["host_node_bytes"] == round(16 * psi) + 8 * steps
     code, out, _ = run_cli(capsys, *LLAMA_7B, "--gpus", "8", "--gpus-per-node", "4", "--json")
     two = json.loads(out)["memory"]
     assert two["zero3_offload"]["host_bytes"] == one["zero3_offload"]["host_bytes"]
-    assert two["zero3_offload"]["host_node_bytes"] == round(16 * psi / 2)
+    assert two["zero3_offload"]["host_node_bytes"] == round(16 * psi / 2) + 4 * steps
 
 
 def test_host_memory_gb_decides_what_offload_fits(capsys):

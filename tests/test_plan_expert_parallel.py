@@ -14,7 +14,7 @@ import pytest
 from fusedist.plan import Job, build_plan, from_hf_config, model_states, resolve_hardware
 from fusedist.plan import cli, comm
 from fusedist.plan.memory import STRATEGIES, temp_bytes
-from fusedist.plan.model import block_params, embedding_params, expert_params
+from fusedist.plan.model import block_params, embedding_params, expert_params, param_tensors
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_plan_configs import LLAMA3_8B, MIXTRAL_8X22B, MIXTRAL_8X7B, QWEN3_30B_A3B  # noqa: E402
@@ -51,14 +51,17 @@ def test_expert_states_divide_by_ep(mixtral):
     assert held == 1_605_636_096 + 5_637_144_576
     one = build_plan(mixtral, Job(gpus=n, micro_batch=1, seq=4096), HW)["memory"]
     eight = build_plan(mixtral, Job(gpus=n, micro_batch=1, seq=4096, ep=ep), HW)["memory"]
-    assert eight["ddp"]["terms"] == {"params": 2 * held, "grads": 2 * held, "optimizer": 12 * held}
-    assert one["ddp"]["terms"] == {"params": 2 * PSI, "grads": 2 * PSI, "optimizer": 12 * PSI}
-    assert eight["zero1"]["terms"] == {"params": 2 * held, "grads": 2 * held,
-                                       "optimizer": round(12 * PSI / n), "grad_shard": round(4 * PSI / n)}
+    steps = 4 * len(param_tensors(mixtral, ep))  # FusedAdamW's count a tensor (Note [step counts] in memory.py)
+    assert eight["ddp"]["terms"] == {"params": 2 * held, "grads": 2 * held, "optimizer": 12 * held, "steps": steps}
+    assert one["ddp"]["terms"] == {"params": 2 * PSI, "grads": 2 * PSI, "optimizer": 12 * PSI, "steps": steps}
+    assert eight["zero1"]["terms"] == {"params": 2 * held, "grads": 2 * held, "optimizer": round(12 * PSI / n),
+                                       "grad_shard": round(4 * PSI / n),
+                                       "host:steps": eight["zero1"]["terms"]["host:steps"]}
     assert eight["zero2"]["terms"]["params"] == 2 * held
-    for s in ("zero1", "zero2", "zero2_offload"):  # the shards do not move
-        assert {k: v for k, v in eight[s]["terms"].items() if k != "params" and k != "grads"} == \
-            {k: v for k, v in one[s]["terms"].items() if k != "params" and k != "grads"}, s
+    for s in ("zero1", "zero2", "zero2_offload"):  # the shards do not move (the inner optimizer's pieces do)
+        moved = ("params", "grads", "host:steps")
+        assert {k: v for k, v in eight[s]["terms"].items() if k not in moved} == \
+            {k: v for k, v in one[s]["terms"].items() if k not in moved}, s
     for s in ("zero3", "zero3_offload"):
         assert eight[s]["terms"] == one[s]["terms"], s
         assert eight[s]["temp_bytes"] < one[s]["temp_bytes"]  # 1/8 of a block's experts gathered

@@ -191,7 +191,8 @@ def _zero3_offload_checks(measured):
     z3, off = measured["zero3"], measured["zero3_offload"]
     assert off["predicted_model_states_bytes"] == 0 and off["model_states_error"] == 0
     assert off["host_bytes"] == pytest.approx(z3["model_states_bytes"], rel=1e-6)
-    assert off["predicted_host_bytes"] == z3["predicted_model_states_bytes"]
+    # (zero3's step counts, torch AdamW's at fp32, are in host memory already: Note [step counts] in memory.py)
+    assert off["predicted_host_bytes"] == z3["predicted_model_states_bytes"] + z3["predicted_host_bytes"]
     assert 0 <= off["padding_host_bytes"] <= 0.01 * off["predicted_host_bytes"]
     assert abs(off["host_error"]) <= 1e-3 and abs(off["comm_error"]) <= 1e-3, off
     assert off["collectives_per_step"] == z3["collectives_per_step"]

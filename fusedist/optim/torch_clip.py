@@ -436,6 +436,18 @@ def _clip_grad_value_eager(parameters, clip_value, foreach=None) -> None:
 # (the parameters are guarded by identity, and ``_generation``, counting the registrations, is
 # guarded too: a new holder traces the call again) -- and with none, dynamo captures torch's
 # own function, its inner norm and scaling included; only the sharded path runs eagerly.
+# What this leaves, once a holder exists in the process (each checked by a compiled probe):
+# * the decision is by parameter identity, so a compiled function that is handed a new list of
+#   parameter objects each call (a list argument) traces again for each new set, where torch's own
+#   clip guards on the tensors' metadata only and traces once; up to dynamo's recompile limit,
+#   then eagerly. The same parameters with new gradients trace once.
+# * ``get_total_norm`` of gradients, given without their parameters, and torch's
+#   ``clip_grad_norm_`` bound by name before the replacement was installed (``from
+#   torch.nn.utils import clip_grad_norm_`` at a script's top, which calls the replaced inner
+#   ``_get_total_norm`` with gradients only) cannot be told from the sharded path by their
+#   arguments (gradients are new tensors every step: keyed on them, every step would trace again),
+#   so their norm runs eagerly: a graph break, and fullgraph=True refuses it with
+#   TORCH_CLIP_REASON. ``clip_grads_with_norm_`` over plain parameters is traced.
 
 _installed = False
 _generation = 0

@@ -17,6 +17,7 @@ from . import hardware, memory, timing
 from .errors import PlanError
 from .hf_config import HF_MODEL_TYPES, MAX_LAYERS, config_key, from_hf_config
 from .model import ARCHS, ModelSpec, count_params, validate
+from .pipeline import SCHEDULES
 from .plan import Job, build_plan, check_expert_parallel
 
 PROG = "python -m fusedist.plan"
@@ -129,6 +130,9 @@ def parser() -> argparse.ArgumentParser:
     j.add_argument("--ep", type=int, default=1,
                    help="expert parallelism, mixtures of experts: each MoE layer's routed experts split over ep of "
                         "the data-parallel GPUs (dividing the experts and --gpus; default 1, none)")
+    j.add_argument("--pp-schedule", type=_choice, default="1f1b", choices=SCHEDULES,
+                   help="pipeline schedule of a suggested pp layout: 1f1b (the first stage holds pp micro-batches' "
+                        "activations) or gpipe (every stage holds all of a step's); default 1f1b")
     h = p.add_argument_group("hardware")
     h.add_argument("--gpu", default="h100", help=f"{', '.join(hardware.CHOICES)} (default h100)")
     h.add_argument("--gpu-memory-gb", type=_real)
@@ -284,7 +288,8 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
                global_batch=args.global_batch, precision=args.precision, recompute=args.recompute,
                optimizer=args.optimizer, convention=args.convention, mfu=args.mfu,
                bucket_cap_mb=args.bucket_cap_mb, scratch_gb=args.scratch_gb, ref_lr=args.ref_lr,
-               ref_batch=args.ref_batch, seq_from_config=args.seq is None, ep=args.ep)
+               ref_batch=args.ref_batch, seq_from_config=args.seq is None, ep=args.ep,
+               pp_schedule=args.pp_schedule)
 
 
 def main(argv=None) -> int:

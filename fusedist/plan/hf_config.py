@@ -11,6 +11,7 @@ import json
 import re
 from typing import Optional
 
+from .arch_advice import shape_advice
 from .encoders import ENCODER_TYPES, refuse_encoder
 from .errors import PlanError
 from .model import ModelSpec, validate
@@ -97,9 +98,7 @@ def from_hf_config(path: str) -> ModelSpec:
         refuse_encoder(cfg, path, raw_type, _positive_int)
     if family is None:
         raise PlanError("--hf-config", f"{path}: 'model_type' {raw_type!r} is not one the planner counts "
-                                       f"({', '.join(HF_MODEL_TYPES)}); if its blocks are exactly llama's, "
-                                       "give the shape instead (--arch llama --layers --hidden --heads "
-                                       "--kv-heads --ffn-hidden --vocab --seq)")
+                                       f"({', '.join(HF_MODEL_TYPES)}); {shape_advice(cfg)}")
     if model_type == "falcon":
         return _checked(ModelSpec(**_falcon(cfg, path)), path, _FALCON_KEYS)
     if model_type == "gpt2":

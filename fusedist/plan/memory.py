@@ -101,15 +101,41 @@ def held_params(psi: float, expert_psi: float, ep: int) -> float:
     return psi - expert_psi + expert_psi / ep
 
 
+def step_counts(strategy: str, precision: str, optimizer: str, tensors: Optional[int]) -> dict:
+    """The optimizer's step counts, as ``--measure``'s optimizers keep them (Note [step counts]):
+    ``{"steps": bytes}`` on the device or ``{"host:steps": bytes}``; none without the tensors."""
+    fused = precision != "fp32" and strategy in ("ddp", "zero3", "zero3_offload")  # fusedist's Fused* optimizer
+    if not tensors or not (optimizer == "adamw" or fused):  # torch's SGD keeps no count
+        return {}
+    on_device = fused and strategy != "zero3_offload"  # (the offloaded pieces live in host memory)
+    return {"steps" if on_device else "host:steps": 4 * tensors}
+
+
+# Note [step counts]
+# ~~~~~~~~~~~~~~~~~~
+# torch's Adam/AdamW keep a step count per parameter they step: a 0-dim float32 tensor (float64
+# under a float64 default dtype), on the CPU unless the optimizer is ``fused`` or ``capturable``,
+# which keep it on the parameter's device; fusedist's FusedAdamW and FusedSGD keep one fp32
+# count on the parameter's device. Under ``--convention fusedist`` they are counted as
+# ``--measure`` trains: 16-bit DDP and ZeRO-3 step with FusedAdamW / FusedSGD (a count on the
+# device a tensor: every parameter, every piece), fp32 with torch's AdamW (in host memory) or
+# SGD (none), and ZeRO-1/2's inner torch AdamW steps one flat piece per gradient bucket (in
+# host memory). 4 bytes a tensor, a few KB for any model: counted so that the figures are what
+# the optimizers allocate, and where (device or host), as ``--measure`` reads them.
+
+
 def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: str = "adamw",
-                 convention: str = "fusedist", held: Optional[float] = None) -> ModelStates:
+                 convention: str = "fusedist", held: Optional[float] = None,
+                 step_tensors: Optional[int] = None) -> ModelStates:
     """Model-state bytes per GPU for ``strategy`` (see the module docstring). ``held``: the
     parameters a rank holds whole under expert parallelism (:func:`held_params`; default Ψ).
     What ZeRO shards stays ``Ψ/N`` whatever ``ep``: the expert states (Ψ_e/ep on a rank) are
     sharded over the ``N/ep`` ranks holding the same experts, ``Ψ_e/N``, the dense ones over
     all ``N`` -- Megatron-Core's DistributedDataParallel keeps the experts' gradients in
     their own buffers (``expert_parallel_buffers``) reduced over the expert-data-parallel
-    group, and its distributed optimizer shards each buffer over the group that reduces it."""
+    group, and its distributed optimizer shards each buffer over the group that reduces it.
+    ``step_tensors``: the tensors the optimizer steps on a rank, each with a step count under
+    the fusedist convention (Note [step counts]); None: not counted."""
     p = g = param_bytes(precision)
     k = optimizer_k(precision, optimizer, strategy, convention)
     fused = convention == "fusedist"
@@ -148,6 +174,8 @@ def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: s
                  "host:optimizer": k * shard}
     else:
         raise ValueError(f"unknown strategy {strategy!r}")
+    if fused:  # Note [step counts]
+        terms.update(step_counts(strategy, precision, optimizer, step_tensors))
     device = sum(v for name, v in terms.items() if not name.startswith("host:"))
     host = sum(v for name, v in terms.items() if name.startswith("host:"))
     return ModelStates(device, host, terms)
@@ -253,6 +281,14 @@ def zero2_buckets_held(tensors: tuple, bucket_cap_mb: float, g: int, n: int) -> 
     if bucket_cap_mb == DEFAULT_BUCKET_CAP_MB:
         layouts.append((FIRST_BUCKET_BYTES, bucket_cap_mb * MiB))
     return g * max(_largest_run(_bucket_elements(tensors[::-1], caps, g, n), ZERO2_BUCKETS_HELD) for caps in layouts)
+
+
+def bucket_count(tensors: tuple, bucket_cap_mb: float, g: int, n: int) -> int:
+    """How many gradient buckets DDP builds of ``tensors`` (the first one DDP's 1 MiB under the
+    default cap): ZeRO-1/2 steps one flat piece of each (Note [step counts])."""
+    caps = ((FIRST_BUCKET_BYTES, bucket_cap_mb * MiB) if bucket_cap_mb == DEFAULT_BUCKET_CAP_MB
+            else (bucket_cap_mb * MiB,))
+    return len(_bucket_elements(tensors[::-1], caps, g, n))
 
 
 def _bucket_elements(order, caps: tuple, g: int, n: int) -> list:

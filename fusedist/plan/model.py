@@ -452,13 +452,33 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     """
     if not spec.has_shape:
         return None
-    s, b, h, v = seq, micro_batch, spec.hidden, spec.vocab
-    sb = s * b
-    word = 4 if precision == "fp32" else 2
+    b, s = micro_batch, seq
     dense, moe = _block_bytes(spec, b, s, precision, recompute)
     layers = spec.layers * dense + (spec.moe_layers * (moe - dense) if spec.moe else 0)
-    outside = sb * h + 2 * word * sb * h + 4 * sb * v
+    outside = input_side_bytes(spec, b, s) + output_side_bytes(spec, b, s, precision)
     return (layers + outside) // tp + recomputed_layer_bytes(spec, b, s, precision, recompute, tp)
+
+
+def block_activation_bytes(spec: ModelSpec, i: int, micro_batch: int, seq: int, precision: str,
+                           recompute: str) -> int:
+    """What block ``i`` keeps for backward of one micro-batch (its share of :func:`activation_bytes`,
+    before tensor parallelism): a pipeline stage holds its own blocks' (fusedist/plan/pipeline.py)."""
+    dense, moe = _block_bytes(spec, micro_batch, seq, precision, recompute)
+    return moe if spec.is_moe_block(i) else dense
+
+
+def input_side_bytes(spec: ModelSpec, micro_batch: int, seq: int) -> int:
+    """The input embedding's dropout mask, ``s·b·h`` bytes (Korthikanti et al., Section 4.3):
+    the first pipeline stage's."""
+    return seq * micro_batch * spec.hidden
+
+
+def output_side_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str) -> int:
+    """The final norm's and output layer's inputs and the fp32 logits, ``4·s·b·h + 4·s·b·v``
+    in 16-bit (Section 4.3): the last pipeline stage's."""
+    word = 4 if precision == "fp32" else 2
+    sb = seq * micro_batch
+    return 2 * word * sb * spec.hidden + 4 * sb * spec.vocab
 
 
 def recomputed_layer_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,

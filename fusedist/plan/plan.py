@@ -14,6 +14,7 @@ from .model import (ModelSpec, activation_bytes, active_params, attention_flops_
                     count_params, embedding_params, expert_params, matmul_params, param_tensors,
                     recomputed_layer_bytes)
 from .memory import STRATEGIES
+from .pipeline import pipeline_activation_bytes
 
 GB = 10**9
 # ModelSpec fields left out of the plan's model while off, so a plain model reads as before
@@ -40,6 +41,8 @@ class Job:
     ref_batch: Optional[int] = None
     seq_from_config: bool = False  # --seq not given: the model's maximum
     ep: int = 1  # expert parallelism: each MoE layer's routed experts over ep ranks of the N
+    # a suggested pipeline's schedule: how many micro-batches a stage holds (fusedist/plan/pipeline.py)
+    pp_schedule: str = "1f1b"
 
     @property
     def ranks_per_node(self) -> int:
@@ -55,13 +58,17 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     ep = job.ep if ep is None else ep
     shard_psi = psi / (tp * pp)
     held = memory.held_params(psi, expert_params(spec), ep) / (tp * pp) if ep > 1 else None
-    states = memory.model_states(shard_psi, dp, strategy, job.precision, job.optimizer, job.convention, held=held)
-    act = activation_bytes(spec, job.micro_batch, job.seq, job.precision, job.recompute, tp)
+    tensors = _tensors(spec, tp, ep)
+    states = memory.model_states(shard_psi, dp, strategy, job.precision, job.optimizer, job.convention, held=held,
+                                 step_tensors=_stepped_tensors(tensors, strategy, job, dp, pp))
+    # the micro-batches a step runs on each pipeline (Note [activations under pipeline parallelism])
+    micro_batches = suggest.grad_accum(job.global_batch, job.micro_batch, dp)[0]
+    act = pipeline_activation_bytes(spec, job.micro_batch, job.seq, job.precision, job.recompute, tp, pp,
+                                    micro_batches, job.pp_schedule)
     units, outputs = _zero3_units(spec, tp, dp, ep)
     root = embedding_params(spec) / tp if spec.has_shape else 0.0
     temp_args = (strategy, shard_psi if held is None else held, job.precision, units, job.bucket_cap_mb,
                  job.scratch_gb * GB)
-    tensors = _tensors(spec, tp, ep)
     temp = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs, tensors=tensors)
     # the least the peak can be: one gradient reduction in flight (memory.temp_bytes)
     temp_min = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs, in_flight=1,
@@ -100,6 +107,17 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
 # model on 8 GPUs needs 16 x 7T / 8 = 14 TB of host memory a GPU, 112 TB on the node. The sum is
 # over the ranks on one node (all of them when the job fits in a node); what the operating
 # system, data loaders and pinned staging buffers take is left to the headroom.
+
+
+def _stepped_tensors(tensors: Optional[tuple], strategy: str, job: Job, dp: int, pp: int) -> Optional[int]:
+    """The tensors a rank's optimizer steps (Note [step counts] in memory.py): every parameter (DDP) or
+    piece (ZeRO-3), or one flat piece per gradient bucket (ZeRO-1/2); a pipeline stage its share."""
+    if tensors is None:
+        return None
+    count = len(tensors)
+    if strategy.startswith(("zero1", "zero2")):
+        count = memory.bucket_count(tensors, job.bucket_cap_mb, memory.param_bytes(job.precision), dp)
+    return -(-count // pp)
 
 
 @functools.lru_cache(maxsize=32)
@@ -232,6 +250,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         "global_batch": job.global_batch, "seq": job.seq, "seq_from_config": job.seq_from_config,
         "precision": job.precision,
         "recompute": job.recompute, "optimizer": job.optimizer, "convention": job.convention,
+        "pp_schedule": job.pp_schedule,
         "gpu": dataclasses.asdict(hw),
         "assumptions": {
             "mfu": job.mfu,
@@ -262,7 +281,9 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                           "CUDA context and NCCL's buffers, which are not counted)",
             "activations": ("Korthikanti et al. 2022, unfused attention (flash attention needs about the "
                             "selective figure), dropout masks counted; sequence parallelism with any "
-                            "suggested tensor parallelism"),
+                            "suggested tensor parallelism; a suggested pipeline's fullest stage: its blocks times "
+                            "the micro-batches it holds at once (1F1B: the first stage holds min(pp, micro-batches) "
+                            "of them, GPipe: every stage all of them; Megatron's memory estimator)"),
         },
     }
     if job.recompute == "full" and spec.has_shape:  # Note [the recomputed layer] in model.py

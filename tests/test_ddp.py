@@ -3,6 +3,9 @@
 Tolerance: both sides compute the same fp32 math (pre-divided all-reduce of the same
 gradients), so differences come only from summation order in gloo vs bucket boundaries:
 1e-5 absolute after 10 steps is ~100 ulps of the parameter magnitudes involved.
+
+The two-rank scenarios share one launch of the ranks (``launched``): starting ranks costs more
+than most scenarios.
 """
 
 import copy
@@ -16,6 +19,7 @@ from torch import nn
 
 import models
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 BUCKET_CONFIGS = {
     "tiny": dict(bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0002),  # ~many buckets
@@ -102,8 +106,11 @@ def _parity_worker(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_parity_with_torch_ddp(world_size):
-    per_rank = run_distributed(_parity_worker, world_size, timeout=300)
+def test_parity_with_torch_ddp(world_size, request):
+    if world_size == 2:
+        per_rank = results_of(request.getfixturevalue("launched"), "parity")
+    else:
+        per_rank = run_distributed(_parity_worker, world_size, timeout=300)
     for key, (max_diff, flat0, nbuckets) in per_rank[0].items():
         # One bf16 / fp16 rounding of the (pre-divided) gradients per step, ~1e-2-sized
         # gradients, 4 steps of lr 0.05: ~1e-5 (fp16, eps 1e-3) and ~1e-4 (bf16, eps 8e-3)
@@ -209,8 +216,8 @@ def _unused_worker(rank, world_size):
     return out
 
 
-def test_unused_parameters():
-    r0, r1 = run_distributed(_unused_worker, 2)
+def test_unused_parameters(launched):
+    r0, r1 = results_of(launched, "unused")
     for out in (r0, r1):
         assert out["find_unused_diff"] < 1e-5
         assert out["unused_grad_is_none"]
@@ -254,11 +261,14 @@ def test_mismatched_model_raises_on_every_rank():
 def _overlap_worker(rank, world_size, trace):
     import fusedist
 
-    os.environ["FUSEDIST_TIMELINE"] = trace
+    os.environ["FUSEDIST_TIMELINE"] = trace  # (read when a model is wrapped: unset for the scenarios after)
     torch.manual_seed(0)
-    model = fusedist.DistributedDataParallel(
-        models.MLP(d_in=64, hidden=256, layers=6), bucket_cap_mb=0.25, first_bucket_cap_mb=0.05
-    )
+    try:
+        model = fusedist.DistributedDataParallel(
+            models.MLP(d_in=64, hidden=256, layers=6), bucket_cap_mb=0.25, first_bucket_cap_mb=0.05
+        )
+    finally:
+        del os.environ["FUSEDIST_TIMELINE"]
     gen = torch.Generator().manual_seed(rank)
     stats = []
     for _ in range(3):
@@ -270,9 +280,9 @@ def _overlap_worker(rank, world_size, trace):
     return stats
 
 
-def test_first_bucket_launches_before_backward_ends(tmp_path):
-    trace = str(tmp_path / "trace")
-    per_rank = run_distributed(_overlap_worker, 2, trace)
+def test_first_bucket_launches_before_backward_ends(launched, overlap_trace):
+    trace = overlap_trace
+    per_rank = results_of(launched, "overlap")
     for stats in per_rank:
         assert all(s["buckets"] > 2 for s in stats)
         assert all(s["first_launch_before_last_grad"] for s in stats), stats
@@ -297,8 +307,8 @@ def _fp16_worker(rank, world_size):
     return lin.weight.grad.float()
 
 
-def test_fp16_average_does_not_overflow():
-    grads = run_distributed(_fp16_worker, 2)
+def test_fp16_average_does_not_overflow(launched):
+    grads = results_of(launched, "fp16")
     for g in grads:
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, torch.full_like(g, 60000.0), rtol=1e-3, atol=0)
@@ -326,8 +336,8 @@ def _state_dict_worker(rank, world_size):
     return keys_match, loaded_bare, loaded_prefixed, grads_synced
 
 
-def test_state_dict_round_trip():
-    results = run_distributed(_state_dict_worker, 2)
+def test_state_dict_round_trip(launched):
+    results = results_of(launched, "state dict")
     for keys_match, loaded_bare, loaded_prefixed, _ in results:
         assert keys_match and loaded_bare and loaded_prefixed
     assert torch.equal(results[0][3], results[1][3])
@@ -401,8 +411,8 @@ def _bad_input_worker(rank, world_size):
     return errors
 
 
-def test_bad_input_messages():
-    for errors in run_distributed(_bad_input_worker, 2):
+def test_bad_input_messages(launched):
+    for errors in results_of(launched, "bad input"):
         assert "device_ids=None for CPU" in errors["device_ids"]
         assert "bucket_cap_mb must be a number of MiB >= 0" in errors["cap"]
         assert "not_an_option" in errors["kwarg"]
@@ -415,3 +425,21 @@ def test_bad_input_messages():
         assert errors["join"] == "ok"
         assert errors["mp none"] == "None" and errors["mp reduce"] == "torch.bfloat16"
         assert "param_dtype" in errors["mp cast"] and "torch.autocast" in errors["mp cast"]
+
+
+# ---------------------------------------------------------------- the shared launch (two ranks)
+@pytest.fixture(scope="module")
+def overlap_trace(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("overlap") / "trace")
+
+
+@pytest.fixture(scope="module")
+def launched(request, overlap_trace):
+    return launch_for_selected(request, {
+        "test_parity_with_torch_ddp": {"parity": (_parity_worker, ())},
+        "test_unused_parameters": {"unused": (_unused_worker, ())},
+        "test_fp16_average_does_not_overflow": {"fp16": (_fp16_worker, ())},
+        "test_state_dict_round_trip": {"state dict": (_state_dict_worker, ())},
+        "test_bad_input_messages": {"bad input": (_bad_input_worker, ())},
+        "test_first_bucket_launches_before_backward_ends": {"overlap": (_overlap_worker, (overlap_trace,))},
+    }, 2, timeout=420)

@@ -2,14 +2,15 @@
 test_ddp_comm_hooks.py: ``_register_builtin_comm_hook`` -- torch's only name for the C++
 builtin hooks, the one its docs show -- is answered as torch answers it, before the first
 backward and after it, on 2 gloo ranks side by side with torch DDP.
-"""
+The two-rank scenarios share one launch of the ranks (``launched``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 def _model() -> nn.Module:
@@ -48,11 +49,11 @@ def _builtin_worker(rank, world):
     return diffs, plain_diffs, again
 
 
-def test_private_builtin_hook_name_compresses_as_torchs():
+def test_private_builtin_hook_name_compresses_as_torchs(launched):
     """FP16_COMPRESS through ``_register_builtin_comm_hook``: the fp16 rounding of torch's
     reduction, to the last bit (fp32 averaging differs by ~1e-4 here), and a second
     registration refused by both."""
-    for rank, (diffs, plain_diffs, again) in enumerate(run_distributed(_builtin_worker, 2, timeout=120)):
+    for rank, (diffs, plain_diffs, again) in enumerate(results_of(launched, "builtin")):
         assert max(diffs) == 0.0, (rank, diffs)
         assert min(plain_diffs[1:]) > 1e-5, (rank, plain_diffs)  # the hook changed the numbers
         assert again == [True, True], (rank, again)
@@ -87,11 +88,20 @@ def _sparse_hook_worker(rank, world):
     return out
 
 
-def test_hook_on_a_model_with_sparse_weights_says_they_bypass_it():
+def test_hook_on_a_model_with_sparse_weights_says_they_bypass_it(launched):
     """The no-op hook leaves torch's sparse gradient local; fusedist averages it outside the
     buckets (the hook never sees it) and says so at registration, naming the weight."""
-    for rank, out in enumerate(run_distributed(_sparse_hook_worker, 2, timeout=120)):
+    for rank, out in enumerate(results_of(launched, "sparse hook")):
         (torch_grad, torch_said), (ours_grad, ours_said) = out["torch"], out["fusedist"]
         assert torch_said == [], torch_said
         assert len(ours_said) == 1 and "emb.weight" in ours_said[0] and "noop_hook" in ours_said[0], ours_said
         assert not torch.equal(torch_grad, ours_grad)  # what the warning is about: averaged, not local
+
+
+# ---------------------------------------------------------------- the shared launch
+@pytest.fixture(scope="module")
+def launched(request):
+    return launch_for_selected(request, {
+        "test_private_builtin_hook_name_compresses_as_torchs": {"builtin": (_builtin_worker, ())},
+        "test_hook_on_a_model_with_sparse_weights_says_they_bypass_it": {"sparse hook": (_sparse_hook_worker, ())},
+    }, 2, timeout=240)

@@ -4,7 +4,8 @@ warm start and its switch from plain all-reduce), a compression wrapper around i
 debugging hook and a user's own hook, each trained side by side with torch DDP running the same
 hook on 2 gloo ranks; and the errors: a hook that returns no future, the wrong size, a future
 that never completes (bounded by FUSEDIST_TIMEOUT_S), and a hook with ZeRO stage 2 or
-reduce_dtype.
+reduce_dtype. The side-by-side runs share one launch of the ranks (``launched``); the errors, whose
+hooks leave collectives unfinished, keep a launch of their own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 STEPS = 6
 
@@ -117,13 +119,13 @@ KINDS = ["powersgd", "powersgd, 2 buckets", "fp16 wrapper around powersgd", "noo
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_hook_trains_as_torch_ddp_with_the_same_hook(kind):
+def test_hook_trains_as_torch_ddp_with_the_same_hook(launched, kind):
     """Bit for bit where the arithmetic is the same; PowerSGD's QR and matmuls see the same
     bucket contents in the same order in both, so they agree to the last bit too -- the
     tolerance (1e-6 on weights of order 0.1) only covers summation order, and a missed bucket,
     gradients that are not views of the buffer the hook set (the compression wrapper's) or
     a lost error-feedback term moves weights by 1e-3 or more."""
-    results = run_distributed(_side_by_side_worker, 2, kind, timeout=180)
+    results = results_of(launched, f"side by side, {kind}")
     for rank, (worst, step_size, user, ref_user, buckets) in enumerate(results):
         assert max(worst) <= 1e-6, (kind, rank, worst)
         assert step_size > 1e-3, (kind, step_size)  # the runs trained
@@ -148,8 +150,8 @@ def _noop_worker(rank, world):
     return max((a.grad - b.grad).abs().max().item() for a, b in zip(model.parameters(), local.parameters()))
 
 
-def test_noop_hook_leaves_local_gradients():
-    for diff in run_distributed(_noop_worker, 2):
+def test_noop_hook_leaves_local_gradients(launched):
+    for diff in results_of(launched, "noop"):
         assert diff < 1e-6, diff
 
 
@@ -254,7 +256,18 @@ def _join_worker(rank, world):
     return diff, states["fusedist"]["calls"], states["torch"]["calls"]
 
 
-def test_hook_under_join_matches_torch():
-    for diff, calls, ref_calls in run_distributed(_join_worker, 2, timeout=120):
+def test_hook_under_join_matches_torch(launched):
+    for diff, calls, ref_calls in results_of(launched, "join"):
         assert diff <= 1e-6, diff
         assert calls == ref_calls > 0, (calls, ref_calls)
+
+
+# ---------------------------------------------------------------- the shared launch
+@pytest.fixture(scope="module")
+def launched(request):
+    return launch_for_selected(request, {
+        "test_hook_trains_as_torch_ddp_with_the_same_hook": {
+            f"side by side, {kind}": (_side_by_side_worker, (kind,)) for kind in KINDS},
+        "test_noop_hook_leaves_local_gradients": {"noop": (_noop_worker, ())},
+        "test_hook_under_join_matches_torch": {"join": (_join_worker, ())},
+    }, 2, timeout=480)

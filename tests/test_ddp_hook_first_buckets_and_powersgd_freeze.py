@@ -1,15 +1,17 @@
 """DDP against torch's: a communication hook sees torch's buckets in the first backwards too
 (Note [a hook's first buckets] in fusedist/ddp/comm_hook.py), and keeps them when a layer is
-frozen after wrapping (Note [trainable set changes] in fusedist/ddp/trainable.py)."""
+frozen after wrapping (Note [trainable set changes] in fusedist/ddp/trainable.py).
+The two-rank scenarios share one launch of the ranks (``launched``)."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 class _TwoPaths(nn.Module):
@@ -87,11 +89,11 @@ def _first_buckets_worker(rank, world):
     return out, len(model.reducer.layout.buckets)
 
 
-def test_hook_sees_torchs_buckets_from_the_first_backward():
+def test_hook_sees_torchs_buckets_from_the_first_backward(launched):
     """Before: the first backward handed the hook fusedist's reverse-order buckets (two, the last
     one is_last) where torch's DDP hands one bucket in registration order, and PowerSGD
     compressing from the first step parted from torch's weights by ~1e-2."""
-    for results, zero_buckets in run_distributed(_first_buckets_worker, 2, timeout=120):
+    for results, zero_buckets in results_of(launched, "first buckets"):
         for settings, (torch_log, fusedist_log, worst) in results:
             assert fusedist_log == torch_log, (settings, fusedist_log[:3], torch_log[:3])
             assert all(w <= 1e-6 for w in worst), (settings, worst)  # (NaN fails too)
@@ -104,12 +106,21 @@ def _freeze_worker(rank, world):
             for settings in (dict(find_unused_parameters=True), dict(find_unused_parameters=True, bucket_cap_mb=0.004))]
 
 
-def test_powersgd_keeps_its_buckets_when_a_layer_is_frozen_and_thawed():
+def test_powersgd_keeps_its_buckets_when_a_layer_is_frozen_and_thawed(launched):
     """Before: freezing a layer re-bucketed the model and PowerSGD's next backward failed (its
     error feedback, keyed by bucket index, had another bucket's size); torch's DDP keeps its
     buckets and sends the frozen slots as zeros. Thawed again, the layer's first gradient was
     averaged outside the hook (uncompressed), 1e-3 off torch's weights."""
-    for results in run_distributed(_freeze_worker, 2, timeout=120):
+    for results in results_of(launched, "freeze"):
         for settings, (torch_log, fusedist_log, worst) in results:
             assert fusedist_log == torch_log, (settings, fusedist_log[-2:], torch_log[-2:])
             assert all(w <= 1e-6 for w in worst), (settings, worst)  # (NaN fails too)
+
+
+# ---------------------------------------------------------------- the shared launch
+@pytest.fixture(scope="module")
+def launched(request):
+    return launch_for_selected(request, {
+        "test_hook_sees_torchs_buckets_from_the_first_backward": {"first buckets": (_first_buckets_worker, ())},
+        "test_powersgd_keeps_its_buckets_when_a_layer_is_frozen_and_thawed": {"freeze": (_freeze_worker, ())},
+    }, 2, timeout=240)

@@ -1,18 +1,20 @@
 """fusedist DDP against torch's DistributedDataParallel on 2 gloo ranks: chained reentrant
 activation checkpoints (Note [the end of a backward with nested ones] in fusedist/ddp/prepared.py),
 unused parameters counted ready as the backward begins (Note [unused parameters known after the
-forward] in fusedist/ddp/unused.py), and the hint of the "received no gradient" error.
+forward] in fusedist/ddp/unused.py), and the hint of the "received no gradient" error. The
+scenarios (each asserts in the ranks) share one launch of the ranks (``launched``).
 """
 
 from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 class Chained(nn.Module):
@@ -75,8 +77,8 @@ def _chained_worker(rank, world):
     _close(ref_grad, _chained_steps(fusedist.DistributedDataParallel, rank, penalty=True, model_cls=Plain))
 
 
-def test_chained_reentrant_checkpoints_train_as_torch_ddp():
-    run_distributed(_chained_worker, 2, timeout=120)
+def test_chained_reentrant_checkpoints_train_as_torch_ddp(launched):
+    results_of(launched, "chained")
 
 
 class SideFirst(nn.Module):
@@ -131,8 +133,8 @@ def _unused_first_worker(rank, world):
                 assert peak < total, f"{pattern}, step {step}: held every gradient ({peak} of {total} bytes)"
 
 
-def test_unused_parameters_in_the_first_bucket_hold_back_no_launch():
-    run_distributed(_unused_first_worker, 2, timeout=120)
+def test_unused_parameters_in_the_first_bucket_hold_back_no_launch(launched):
+    results_of(launched, "unused first")
 
 
 class OneCheckpoint(Chained):
@@ -154,8 +156,8 @@ def _hint_worker(rank, world):
     assert "received no gradient" in text and "static_graph=True" in text, text
 
 
-def test_no_gradient_error_names_static_graph_for_reentrant_checkpoints():
-    run_distributed(_hint_worker, 2, timeout=60)
+def test_no_gradient_error_names_static_graph_for_reentrant_checkpoints(launched):
+    results_of(launched, "hint")
 
 
 def _late_worker(rank, world):
@@ -177,8 +179,8 @@ def _late_worker(rank, world):
     assert "['side.weight'] received a gradient" in text and "outside the forward" in text, text
 
 
-def test_a_gradient_outside_the_forward_graph_is_reported_on_every_rank():
-    run_distributed(_late_worker, 2, timeout=60)
+def test_a_gradient_outside_the_forward_graph_is_reported_on_every_rank(launched):
+    results_of(launched, "late")
 
 
 def _replicated(model, **options):
@@ -194,8 +196,22 @@ def _replicate_worker(rank, world):
     _close(ref, _chained_steps(_replicated, rank, find_unused_parameters=True))
 
 
-def test_chained_reentrant_checkpoints_under_replicate_train_as_torch_ddp():
+def test_chained_reentrant_checkpoints_under_replicate_train_as_torch_ddp(launched):
     """``fusedist.replicate`` (no wrapper: forward hooks) hooks its outputs as the wrapper's
     forward does, so its backward through chained reentrant checkpoints ends where the outer
     one ends (it raised "received no gradient: ['a.weight', 'a.bias']")."""
-    run_distributed(_replicate_worker, 2, timeout=120)
+    results_of(launched, "replicate")
+
+
+# ---------------------------------------------------------------- the shared launch
+@pytest.fixture(scope="module")
+def launched(request):
+    # (the two backwards that raise last: every rank raised at the same point, but nothing needs to follow them)
+    return launch_for_selected(request, {
+        "test_chained_reentrant_checkpoints_train_as_torch_ddp": {"chained": (_chained_worker, ())},
+        "test_unused_parameters_in_the_first_bucket_hold_back_no_launch": {"unused first": (_unused_first_worker, ())},
+        "test_chained_reentrant_checkpoints_under_replicate_train_as_torch_ddp": {
+            "replicate": (_replicate_worker, ())},
+        "test_no_gradient_error_names_static_graph_for_reentrant_checkpoints": {"hint": (_hint_worker, ())},
+        "test_a_gradient_outside_the_forward_graph_is_reported_on_every_rank": {"late": (_late_worker, ())},
+    }, 2, timeout=300)

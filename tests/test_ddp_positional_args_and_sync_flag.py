@@ -1,15 +1,17 @@
 """fusedist.DistributedDataParallel's module API against torch's DistributedDataParallel on 2 gloo
 ranks: torch's positional arguments, the ``require_backward_grad_sync`` flag scripts set instead
-of ``no_sync()``, and torch's read-only settings attributes."""
+of ``no_sync()``, and torch's read-only settings attributes.
+The two-rank scenarios share one launch of the ranks (``launched``)."""
 
 from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 def _net(seed: int = 0) -> nn.Module:
@@ -35,13 +37,13 @@ def _positional_worker(rank, world_size):
     return out
 
 
-def test_torchs_positional_arguments_bind_as_in_torch():
+def test_torchs_positional_arguments_bind_as_in_torch(launched):
     theirs = list(inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters)
     import fusedist
 
     params = inspect.signature(fusedist.DistributedDataParallel.__init__).parameters.values()
     assert [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD] == theirs
-    for out in run_distributed(_positional_worker, 2, timeout=120):
+    for out in results_of(launched, "positional"):
         ref, ours = out["torch"], out["fusedist"]
         assert ours[1:] == ref[1:] == (True, False)
         assert max((a - b).abs().max().item() for a, b in zip(ref[0], ours[0])) <= 1e-6
@@ -72,9 +74,9 @@ def _flag_worker(rank, world_size):
     return out
 
 
-def test_require_backward_grad_sync_false_keeps_gradients_local_as_torch():
+def test_require_backward_grad_sync_false_keeps_gradients_local_as_torch(launched):
     """Setting the flag (as nanoGPT does) was ignored: every backward reduced."""
-    for out in run_distributed(_flag_worker, 2, timeout=120):
+    for out in results_of(launched, "flag"):
         ref, ours = out["torch"], out["fusedist"]
         for k in (0, 1, 2):
             assert max((a - b).abs().max().item() for a, b in zip(ref[k], ours[k])) <= 1e-6, k
@@ -93,7 +95,17 @@ def _attributes_worker(rank, world_size):
     return out
 
 
-def test_torchs_settings_attributes_are_readable():
+def test_torchs_settings_attributes_are_readable(launched):
     """find_unused_parameters, static_graph, gradient_as_bucket_view raised AttributeError."""
-    for out in run_distributed(_attributes_worker, 2, timeout=120):
+    for out in results_of(launched, "attributes"):
         assert out["fusedist"] == out["torch"] == (True, False, True, True)
+
+
+# ---------------------------------------------------------------- the shared launch
+@pytest.fixture(scope="module")
+def launched(request):
+    return launch_for_selected(request, {
+        "test_torchs_positional_arguments_bind_as_in_torch": {"positional": (_positional_worker, ())},
+        "test_require_backward_grad_sync_false_keeps_gradients_local_as_torch": {"flag": (_flag_worker, ())},
+        "test_torchs_settings_attributes_are_readable": {"attributes": (_attributes_worker, ())},
+    }, 2, timeout=240)

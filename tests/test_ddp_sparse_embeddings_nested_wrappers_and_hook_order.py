@@ -4,10 +4,11 @@ its real twin: torch's DDP cannot reduce a complex sparse gradient on gloo), whe
 gradient hooks change after wrapping or step an optimizer inside backward (Note [the user's
 gradient hooks first] in fusedist/ddp/grad_hook.py), and where a wrapper is nested inside another
 (Note [a module wrapped again] in fusedist/ddp/wrapper.py). 2 gloo ranks.
-"""
+The two-rank scenarios share one launch of the ranks (``launched``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -15,7 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 import fusedist
 import models
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 class _SparseNet(nn.Module):
@@ -115,8 +116,8 @@ def _sparse_compiled_worker(rank, world_size):
     return models.error_text(lambda: compiled(torch.tensor([[1, 2]]), torch.tensor([[3, 4]])), RuntimeError)
 
 
-def test_sparse_embedding_gradients_are_averaged_as_torch_ddp_does():
-    for rank, out in enumerate(run_distributed(_sparse_worker, 2, timeout=120)):
+def test_sparse_embedding_gradients_are_averaged_as_torch_ddp_does(launched):
+    for rank, out in enumerate(results_of(launched, "sparse")):
         models.assert_same_steps(out["torch"], out["fusedist"])
         models.assert_same_steps(out["torch, sparse only"], out["fusedist, sparse only"])
         models.assert_same_steps(out["torch, frozen"], out["fusedist, frozen"])
@@ -125,8 +126,8 @@ def test_sparse_embedding_gradients_are_averaged_as_torch_ddp_does():
         assert text is not None and f"rank {rank}" in text and "'emb.weight'" in text, text
 
 
-def test_sparse_gradients_under_compile_of_the_wrapper_are_refused():
-    for rank, text in enumerate(run_distributed(_sparse_compiled_worker, 2, timeout=120)):
+def test_sparse_gradients_under_compile_of_the_wrapper_are_refused(launched):
+    for rank, text in enumerate(results_of(launched, "sparse compiled")):
         assert text is not None and f"rank {rank}" in text and "'emb.weight'" in text, text
 
 
@@ -191,8 +192,8 @@ def _optimizer_in_backward(rank, first=False):
     model(x).sum().backward()
 
 
-def test_hook_swapped_after_wrapping_is_averaged_as_torch_ddp_does():
-    for out in run_distributed(_swapped_hook_worker, 2, timeout=120):
+def test_hook_swapped_after_wrapping_is_averaged_as_torch_ddp_does(launched):
+    for out in results_of(launched, "swapped hook"):
         for want, got in zip(out["torch"], out["fusedist"]):
             torch.testing.assert_close(got, want)
         assert out["mark current"]
@@ -228,8 +229,21 @@ def _nested_worker(rank, world_size):
                      _train_nested(fusedist.DistributedDataParallel, rank, double)) for double in (False, True)}
 
 
-def test_wrapper_nested_inside_another_trains_as_torch_ddp():
-    for out in run_distributed(_nested_worker, 2, timeout=120):
+def test_wrapper_nested_inside_another_trains_as_torch_ddp(launched):
+    for out in results_of(launched, "nested"):
         for (want, want_names), (got, got_names) in out.values():
             models.assert_same_steps(want, got)
             assert got_names == want_names  # checkpoint names: every wrapper's "module." dropped
+
+
+# ---------------------------------------------------------------- the shared launch
+@pytest.fixture(scope="module")
+def launched(request):
+    # (the compiled scenario last: nothing after it meets dynamo's caches)
+    return launch_for_selected(request, {
+        "test_sparse_embedding_gradients_are_averaged_as_torch_ddp_does": {"sparse": (_sparse_worker, ())},
+        "test_hook_swapped_after_wrapping_is_averaged_as_torch_ddp_does": {"swapped hook": (_swapped_hook_worker, ())},
+        "test_wrapper_nested_inside_another_trains_as_torch_ddp": {"nested": (_nested_worker, ())},
+        "test_sparse_gradients_under_compile_of_the_wrapper_are_refused": {
+            "sparse compiled": (_sparse_compiled_worker, ())},
+    }, 2, timeout=300)

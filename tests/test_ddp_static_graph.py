@@ -3,7 +3,7 @@ twice] in fusedist/ddp/static_graph.py): a block called twice in one forward und
 activation checkpointing delivers its gradient twice per backward. Compared on 2 gloo ranks
 with torch DDP's ``static_graph=True`` and with the single-process run on the global batch
 (torch DDP without ``static_graph`` trains wrong here, and fusedist refuses it by name).
-"""
+The two-rank scenarios share one launch of the ranks (``launched``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 WIDTH = 256  # a 256x256 weight is large enough for its bucket to fold the division into the copies
 
@@ -109,15 +109,17 @@ def _parity_worker(rank, world, views, accumulate, late):
     return diff(got, truth), want and diff(want, truth), moved, len(ours.buckets), folded
 
 
-@pytest.mark.parametrize("views,accumulate,late", [(True, 1, False), (False, 1, False), (True, 2, True)],
+PARITY_CASES = [(True, 1, False), (False, 1, False), (True, 2, True)]
+
+
+@pytest.mark.parametrize("views,accumulate,late", PARITY_CASES,
                          ids=["gradient views", "gradient copies", "no_sync accumulation, _set_static_graph"])
-def test_static_graph_matches_torch_and_the_global_batch(views, accumulate, late):
+def test_static_graph_matches_torch_and_the_global_batch(launched, views, accumulate, late):
     """SGD with momentum is linear in the gradients, so the weights differ from the
     single-process run by the fp32 rounding of the sums (3e-8 measured, 1e-6 allowed on
     weights of order 0.1); a gradient reduced without its second arrival, or divided twice,
     moves them by 1e-3 or more."""
-    for ours, torchs, moved, buckets, folded in run_distributed(_parity_worker, 2, views, accumulate, late,
-                                                                timeout=180):
+    for ours, torchs, moved, buckets, folded in results_of(launched, f"parity {views} {accumulate} {late}"):
         assert moved > 1e-2, moved  # the runs trained
         assert buckets >= 5, buckets
         assert torchs is None or torchs <= 1e-6, torchs  # the reference itself
@@ -155,8 +157,8 @@ def _error_worker(rank, world):
     return errors
 
 
-def test_a_second_arrival_without_static_graph_or_a_changed_graph_raises_by_name():
-    for rank, errors in enumerate(run_distributed(_error_worker, 2, timeout=120)):
+def test_a_second_arrival_without_static_graph_or_a_changed_graph_raises_by_name(launched):
+    for rank, errors in enumerate(results_of(launched, "errors")):
         assert f"(rank {rank}): parameter 'shared.0.bias' received its gradient twice" in errors["not static"]
         assert "static_graph=True" in errors["not static"] and "use_reentrant=False" in errors["not static"]
         assert "['shared.0.weight', 'shared.0.bias']" in errors["fewer"] or "shared.0" in errors["fewer"]
@@ -183,8 +185,22 @@ def _zero_worker(rank, world, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_static_graph_under_zero_matches_torch(stage):
+def test_static_graph_under_zero_matches_torch(launched, stage):
     """ZeRO's shards are ranges of the same buckets: stage 2 reduce-scatters the shared block's
     bucket only after its second arrival too. Same arithmetic as torch's: 1e-6 allowed."""
-    for diff in run_distributed(_zero_worker, 2, stage, timeout=120):
+    for diff in results_of(launched, f"zero {stage}"):
         assert diff <= 1e-6, diff
+
+
+# ---------------------------------------------------------------- the shared launch
+@pytest.fixture(scope="module")
+def launched(request):
+    # (the backwards that raise last: every rank raised at the same point, but nothing needs to follow them)
+    return launch_for_selected(request, {
+        "test_static_graph_matches_torch_and_the_global_batch": {
+            f"parity {views} {accumulate} {late}": (_parity_worker, (views, accumulate, late))
+            for views, accumulate, late in PARITY_CASES},
+        "test_static_graph_under_zero_matches_torch": {f"zero {stage}": (_zero_worker, (stage,)) for stage in (1, 2)},
+        "test_a_second_arrival_without_static_graph_or_a_changed_graph_raises_by_name": {
+            "errors": (_error_worker, ())},
+    }, 2, timeout=360)

@@ -1,19 +1,21 @@
 """fusedist DDP against torch DDP where they differed: ``static_graph=True`` with parameters no
 iteration uses, the second loss of a forward whose output is a dataclass, and a bare state
-dict of a module whose own child is named ``module``. 2 gloo ranks, fresh random inputs."""
+dict of a module whose own child is named ``module``. 2 gloo ranks, fresh random inputs; the
+scenarios share one launch of the ranks (``launched``), the compiled-autograd one last."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import models
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 class _Unused(nn.Module):
@@ -52,8 +54,8 @@ def _static_graph_worker(rank, world_size, seed):
     models.assert_same_steps(*runs)
 
 
-def test_static_graph_takes_parameters_no_iteration_uses_as_torch():
-    run_distributed(_static_graph_worker, 2, int(torch.randint(0, 10_000, ()).item()), timeout=120)
+def test_static_graph_takes_parameters_no_iteration_uses_as_torch(launched):
+    results_of(launched, "static graph")
 
 
 @dataclasses.dataclass
@@ -94,8 +96,8 @@ def _two_losses_worker(rank, world_size, seed):
     torch.optim.SGD(model.parameters(), lr=0.1).step()  # (refused after a local backward)
 
 
-def test_second_loss_of_a_dataclass_output_synchronizes():
-    run_distributed(_two_losses_worker, 2, int(torch.randint(0, 10_000, ()).item()), timeout=120)
+def test_second_loss_of_a_dataclass_output_synchronizes(launched):
+    results_of(launched, "two losses")
 
 
 class _ChildNamedModule(nn.Module):
@@ -121,8 +123,8 @@ def _bare_keys_worker(rank, world_size, seed):
     ours.load_state_dict(theirs.state_dict())  # and the wrapper's own keys still
 
 
-def test_bare_state_dict_of_a_module_with_a_child_named_module_loads():
-    run_distributed(_bare_keys_worker, 2, int(torch.randint(0, 10_000, ()).item()), timeout=120)
+def test_bare_state_dict_of_a_module_with_a_child_named_module_loads(launched):
+    results_of(launched, "bare keys")
 
 
 def _compiled_autograd_worker(rank, world_size):
@@ -145,9 +147,26 @@ def _compiled_autograd_worker(rank, world_size):
     return refused
 
 
-def test_compiled_autograd_is_refused_at_the_forward_not_a_stall():
+def test_compiled_autograd_is_refused_at_the_forward_not_a_stall(launched):
     """torch's DDP runs under compiled autograd with optimize_ddp='python_reducer'; fusedist's
     reducer cannot (its end-of-backward callback never runs): a clear error on every rank."""
-    for refused in run_distributed(_compiled_autograd_worker, 2, timeout=120):
+    for refused in results_of(launched, "compiled autograd"):
         assert len(refused) == 2, refused
         assert all("compiled autograd is enabled" in r for r in refused), refused
+
+
+# ---------------------------------------------------------------- the shared launch
+@pytest.fixture(scope="module")
+def launched(request):
+    def seed():
+        return int(torch.randint(0, 10_000, ()).item())
+
+    return launch_for_selected(request, {
+        "test_static_graph_takes_parameters_no_iteration_uses_as_torch": {
+            "static graph": (_static_graph_worker, (seed(),))},
+        "test_second_loss_of_a_dataclass_output_synchronizes": {"two losses": (_two_losses_worker, (seed(),))},
+        "test_bare_state_dict_of_a_module_with_a_child_named_module_loads": {
+            "bare keys": (_bare_keys_worker, (seed(),))},
+        "test_compiled_autograd_is_refused_at_the_forward_not_a_stall": {
+            "compiled autograd": (_compiled_autograd_worker, ())},
+    }, 2, timeout=240)

@@ -1,7 +1,7 @@
 """``static_graph=True`` with parameters that some ranks never use: gradients as torch DDP's, the
 used map all-reduced in the first backward only (Note [the used map of a static graph] in
 ``fusedist/ddp/unused.py``), and a clear error on the rank whose set of used parameters changes.
-2 gloo ranks, fresh random inputs."""
+2 gloo ranks, fresh random inputs. The two-rank scenarios share one launch of the ranks (``launched``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import models
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 class _Heads(nn.Module):
@@ -69,8 +69,8 @@ def _rank_dependent_worker(rank, world_size, seed):
     assert tags.count("ddp used-parameter map") == 1, tags
 
 
-def test_static_graph_rank_dependent_unused_matches_torch_and_reduces_the_used_map_once():
-    run_distributed(_rank_dependent_worker, 2, int(torch.randint(0, 10_000, ()).item()), timeout=120)
+def test_static_graph_rank_dependent_unused_matches_torch_and_reduces_the_used_map_once(launched):
+    results_of(launched, "rank dependent")
 
 
 def _changed_graph_worker(rank, world_size, seed):
@@ -87,8 +87,8 @@ def _changed_graph_worker(rank, world_size, seed):
         _train(model, rank, seed, uses_c, steps=3)
 
 
-def test_static_graph_names_the_parameters_whose_use_changed():
-    run_distributed(_changed_graph_worker, 2, int(torch.randint(0, 10_000, ()).item()), timeout=120)
+def test_static_graph_names_the_parameters_whose_use_changed(launched):
+    results_of(launched, "changed graph")
 
 
 class _Optional(nn.Module):
@@ -136,5 +136,22 @@ def _unfreeze_worker(rank, world_size, seed):
             opt.step()
 
 
-def test_static_graph_learns_the_used_map_again_after_the_trainable_set_grows():
-    run_distributed(_unfreeze_worker, 2, int(torch.randint(0, 10_000, ()).item()), timeout=120)
+def test_static_graph_learns_the_used_map_again_after_the_trainable_set_grows(launched):
+    results_of(launched, "unfreeze")
+
+
+# ---------------------------------------------------------------- the shared launch
+@pytest.fixture(scope="module")
+def launched(request):
+    def seed():
+        return int(torch.randint(0, 10_000, ()).item())
+
+    # (the changed graph last: only rank 1 raises there, nothing needs to follow it)
+    return launch_for_selected(request, {
+        "test_static_graph_rank_dependent_unused_matches_torch_and_reduces_the_used_map_once": {
+            "rank dependent": (_rank_dependent_worker, (seed(),))},
+        "test_static_graph_learns_the_used_map_again_after_the_trainable_set_grows": {
+            "unfreeze": (_unfreeze_worker, (seed(),))},
+        "test_static_graph_names_the_parameters_whose_use_changed": {
+            "changed graph": (_changed_graph_worker, (seed(),))},
+    }, 2, timeout=300)

@@ -2,7 +2,8 @@
 same parameters in the same positions, and the same results where an option changes them --
 buffers synced at construction and at forwards (``forward_sync_buffers``, the deprecated
 ``broadcast_buffers``, ``init_sync``), per-bucket caps (``bucket_cap_mb_list``) -- compared
-with torch DDP on 2 gloo ranks.
+with torch DDP on 2 gloo ranks. The CPU tests' two-rank scenarios share one launch of the ranks
+(``launched``): starting ranks costs more than most scenarios.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 def test_signature_takes_torchs_parameters_in_torchs_positions():
@@ -112,8 +114,8 @@ def _buffer_worker(rank, world_size):
     return out
 
 
-def test_buffer_and_parameter_sync_options_match_torch():
-    per_rank = run_distributed(_buffer_worker, 2, timeout=240)
+def test_buffer_and_parameter_sync_options_match_torch(launched):
+    per_rank = results_of(launched, "buffers")
     for rank, out in enumerate(per_rank):
         for name, seen in out.items():
             (t_init, t_after, t_y, t_sync, t_warn, t_flag) = seen["torch"]
@@ -186,8 +188,8 @@ def _caps_worker(rank, world_size):
     return diff, bucket_bytes, torch_bytes, errors
 
 
-def test_bucket_cap_mb_list_trains_as_torch_ddp():
-    for diff, bucket_bytes, torch_bytes, errors in run_distributed(_caps_worker, 2, timeout=120):
+def test_bucket_cap_mb_list_trains_as_torch_ddp(launched):
+    for diff, bucket_bytes, torch_bytes, errors in results_of(launched, "caps"):
         assert diff < 1e-6, diff
         # Linear(32, 32): 4096 B of weight, 128 B of bias. Each bucket closes once it reaches
         # its cap (2 KiB, then 10 KiB, then 5 KiB each): the buckets torch DDP rebuilt after
@@ -206,11 +208,11 @@ def _bucket_cap_worker(rank, world_size, bucket_cap_mb):
 
 
 @pytest.mark.parametrize("bucket_cap_mb", [None, 2, 0])
-def test_bucket_cap_mb_makes_torch_ddps_buckets(bucket_cap_mb):
+def test_bucket_cap_mb_makes_torch_ddps_buckets(launched, bucket_cap_mb):
     """The first bucket's cap is torch's: 1 MiB by default, ``bucket_cap_mb`` once it is given
     (fusedist kept 1 MiB, one collective more than torch for 2 MiB here); and 0 is one bucket
     per parameter, as torch's (fusedist refused it)."""
-    for diff, bucket_bytes, torch_bytes in run_distributed(_bucket_cap_worker, 2, bucket_cap_mb, timeout=120):
+    for diff, bucket_bytes, torch_bytes in results_of(launched, f"bucket_cap_mb={bucket_cap_mb}"):
         assert diff < 1e-6, diff
         layer = 512 * 512 * 4 + 512 * 4
         expected = {None: [layer, 4 * layer], 2: [2 * layer, 2 * layer, layer],
@@ -243,13 +245,13 @@ def _unfreeze_caps_worker(rank, world_size):
     return diff, appended
 
 
-def test_buckets_appended_for_unfrozen_parameters_follow_bucket_cap_mb_list():
+def test_buckets_appended_for_unfrozen_parameters_follow_bucket_cap_mb_list(launched):
     """Buckets appended when parameters become trainable (under a ZeroRedundancyOptimizer)
     take the list's last cap, not bucket_cap_mb (which the list replaces): here 5 KiB, so the
     four layers (4224 B each: a 4096 B weight and its bias) take two buckets, not one, each
     closed once it reached the cap (Note [buckets close as torch's do]). The gradients are torch
     DDP's (fp32, same sums)."""
-    for diff, appended in run_distributed(_unfreeze_caps_worker, 2, timeout=120):
+    for diff, appended in results_of(launched, "unfrozen caps"):
         assert diff < 1e-6, diff
         cap = int(0.005 * 2**20)
         assert appended == [2 * 4224, 2 * 4224] and all(size >= cap for size in appended), appended
@@ -276,10 +278,10 @@ def _two_forwards_worker(rank, world_size):
     return max((out["torch"][k].float() - out["fusedist"][k].float()).abs().max().item() for k in out["torch"])
 
 
-def test_two_forwards_before_one_backward_match_torch():
+def test_two_forwards_before_one_backward_match_torch(launched):
     """The buffer broadcast writes without bumping the buffers' versions, as torch's does:
     before, the backward failed with "modified by an inplace operation"."""
-    for diff in run_distributed(_two_forwards_worker, 2, timeout=120):
+    for diff in results_of(launched, "two forwards"):
         assert diff <= 1e-6, diff
 
 
@@ -311,10 +313,10 @@ def _placement_attrs_and_helpers(rank, world):
     return results
 
 
-def test_cpu_placement_attributes_and_helpers_match_torch():
+def test_cpu_placement_attributes_and_helpers_match_torch(launched):
     """On CPU (no device_ids) inputs go through untouched and ``device_ids``/``output_device``/
     ``device_type`` and the ``to_kwargs``/``gather`` helpers equal torch DDP's."""
-    for res in run_distributed(_placement_attrs_and_helpers, 2):
+    for res in results_of(launched, "placement"):
         ours, theirs = res["fusedist"], res["torch"]
         for key in ("device_ids", "output_device", "device_type"):
             assert ours[key] == theirs[key], key
@@ -394,12 +396,12 @@ def _ignored_state_trains_as_torch(rank, world):
     return out
 
 
-def test_parameters_and_buffers_to_ignore_stay_rank_local_as_in_torch():
+def test_parameters_and_buffers_to_ignore_stay_rank_local_as_in_torch(launched):
     """torch's ``_set_params_and_buffers_to_ignore_for_model``: ignored parameters (of a shape
     that differs between ranks) keep this rank's values and are trained on this rank's
     gradient, the ignored buffer is not broadcast; the rest is synchronized. Equal to torch
     DDP's state after three SGD steps on every rank, bitwise."""
-    results = run_distributed(_ignored_state_trains_as_torch, 2)
+    results = results_of(launched, "ignored state")
     for rank, res in enumerate(results):
         assert res["fusedist ignores"] == res["torch ignores"]
         assert res["fusedist"].keys() == res["torch"].keys()
@@ -419,12 +421,13 @@ def _ignore_lists_differ(rank, world):
     fusedist.DistributedDataParallel(module)
 
 
-def test_an_ignore_list_that_differs_between_ranks_is_refused_on_every_rank():
+def test_an_ignore_list_that_differs_between_ranks_is_refused_on_every_rank(launched):
     """Buckets built around different ignored sets would pair different tensors: the
-    construction check names the setting on every rank."""
-    outcomes = run_distributed(_ignore_lists_differ, 2, expect_failure=True)
-    for status, text in outcomes:
-        assert status == "error" and "RankMismatchError" in text and "params_and_buffers_to_ignore" in text, text
+    construction check names the setting on every rank (each rank's traceback is its result)."""
+    outcomes = launched["ignore lists differ"]
+    assert len(outcomes) == 2, outcomes
+    for passed, text in outcomes:
+        assert not passed and "RankMismatchError" in text and "params_and_buffers_to_ignore" in text, text
 
 
 def _zero_with_rank_local_parameters(rank, world):
@@ -464,12 +467,34 @@ def _zero_with_rank_local_parameters(rank, world):
     return out
 
 
-def test_zero_refuses_rank_local_parameters_and_trains_the_rest_as_torch():
+def test_zero_refuses_rank_local_parameters_and_trains_the_rest_as_torch(launched):
     """A ZeroRedundancyOptimizer given parameters its DDP model ignores is refused naming them
     (sharding would overwrite their rank-local values); built over the synchronized ones, with
     a local optimizer for the rest, stages 1 and 2 train as torch's DDP + ZeroRedundancyOptimizer."""
-    for res in run_distributed(_zero_with_rank_local_parameters, 2):
+    for res in results_of(launched, "zero with rank-local parameters"):
         for stage in (1, 2):
             assert "['local.weight', 'local.bias'] are ignored" in res[f"refused {stage}"]
             for key, expected in res["torch 1"].items():
                 torch.testing.assert_close(res[f"fusedist {stage}"][key], expected, rtol=1e-6, atol=1e-7, msg=key)
+
+
+# ---------------------------------------------------------------- the shared launch
+@pytest.fixture(scope="module")
+def launched(request):
+    # (the refused construction last: every rank raised at the same check, but nothing needs to follow it)
+    return launch_for_selected(request, {
+        "test_buffer_and_parameter_sync_options_match_torch": {"buffers": (_buffer_worker, ())},
+        "test_bucket_cap_mb_list_trains_as_torch_ddp": {"caps": (_caps_worker, ())},
+        "test_bucket_cap_mb_makes_torch_ddps_buckets": {
+            f"bucket_cap_mb={cap}": (_bucket_cap_worker, (cap,)) for cap in (None, 2, 0)},
+        "test_buckets_appended_for_unfrozen_parameters_follow_bucket_cap_mb_list": {
+            "unfrozen caps": (_unfreeze_caps_worker, ())},
+        "test_two_forwards_before_one_backward_match_torch": {"two forwards": (_two_forwards_worker, ())},
+        "test_cpu_placement_attributes_and_helpers_match_torch": {"placement": (_placement_attrs_and_helpers, ())},
+        "test_parameters_and_buffers_to_ignore_stay_rank_local_as_in_torch": {
+            "ignored state": (_ignored_state_trains_as_torch, ())},
+        "test_zero_refuses_rank_local_parameters_and_trains_the_rest_as_torch": {
+            "zero with rank-local parameters": (_zero_with_rank_local_parameters, ())},
+        "test_an_ignore_list_that_differs_between_ranks_is_refused_on_every_rank": {
+            "ignore lists differ": (_ignore_lists_differ, ())},
+    }, 2, timeout=480)

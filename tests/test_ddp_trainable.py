@@ -6,8 +6,7 @@ optimizers in one process on the global batch with the same freeze schedule (DDP
 per-rank mean losses over equal chunks, i.e. the global mean loss). Tolerance 1e-5 (fp32,
 gradients differ in summation order only); a gradient that is not averaged moves a parameter
 by ~1e-2 per step (lr 0.1 on rank-dependent data), a frozen parameter that is stepped by
-weight decay or momentum likewise.
-"""
+weight decay or momentum likewise. The two-rank scenarios share one launch of the ranks (``launched``)."""
 
 import copy
 
@@ -18,6 +17,7 @@ from torch import nn
 import models
 
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 GLOBAL_BATCH = 12  # divisible by 2 and 3
 TOL = 1e-5
@@ -136,8 +136,12 @@ def _parity_worker(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3], ids=lambda w: f"world{w}")
-def test_trainability_changes_after_wrapping_match_torch(world_size):
-    for per_rank in run_distributed(_parity_worker, world_size, timeout=300):
+def test_trainability_changes_after_wrapping_match_torch(world_size, request):
+    if world_size == 2:
+        results = results_of(request.getfixturevalue("launched"), "parity")
+    else:
+        results = run_distributed(_parity_worker, world_size, timeout=300)
+    for per_rank in results:
         assert per_rank.pop("layout holds the unfrozen parameter")
         for name, diff in per_rank.items():
             assert diff < TOL, (name, diff)
@@ -185,8 +189,8 @@ def _mismatch_worker(rank, world_size):
     return out
 
 
-def test_trainability_changed_on_some_ranks_raises_on_every_rank():
-    results = run_distributed(_mismatch_worker, 2, timeout=180)
+def test_trainability_changed_on_some_ranks_raises_on_every_rank(launched):
+    results = results_of(launched, "mismatch")
     for rank, out in enumerate(results):
         step, text = out["unfreeze on rank 1"]
         assert step == (1 if rank == 1 else 2), (rank, step)  # the changed rank at once, the other next forward
@@ -401,7 +405,20 @@ def _frozen_after_forward_worker(rank, world_size, find_unused):
 
 
 @pytest.mark.parametrize("find_unused", [True, False])
-def test_parameters_frozen_between_forward_and_backward(find_unused):
+def test_parameters_frozen_between_forward_and_backward(launched, find_unused):
     """It raised AttributeError from the gradient hook (p.grad None), or, without
     find_unused_parameters, called the frozen parameters unused."""
-    run_distributed(_frozen_after_forward_worker, 2, find_unused, timeout=120)
+    results_of(launched, f"frozen after forward, {find_unused}")
+
+
+# ---------------------------------------------------------------- the shared launch
+@pytest.fixture(scope="module")
+def launched(request):
+    # (the mismatches last: the ranks raised at different steps there; nothing needs to follow them)
+    return launch_for_selected(request, {
+        "test_trainability_changes_after_wrapping_match_torch": {"parity": (_parity_worker, ())},
+        "test_parameters_frozen_between_forward_and_backward": {
+            f"frozen after forward, {find_unused}": (_frozen_after_forward_worker, (find_unused,))
+            for find_unused in (True, False)},
+        "test_trainability_changed_on_some_ranks_raises_on_every_rank": {"mismatch": (_mismatch_worker, ())},
+    }, 2, timeout=480)

@@ -10,16 +10,17 @@ Tolerances: at world size 2 a reduction is one addition and a division by 2 (exa
 averaged gradients are bit-identical to torch's; what may differ is the optimizer's rounding
 (fused kernels against torch's foreach AdamW): 1e-6 absolute for complex64/fp32 parameters of order
 1 after a few steps (as tests/test_optim.py), 1e-12 for complex128/fp64.
-"""
+The two-rank scenarios share one launch of the ranks (``launched``)."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 ATOL = {torch.float32: 1e-6, torch.complex64: 1e-6, torch.float64: 1e-12, torch.complex128: 1e-12}
 
@@ -129,8 +130,8 @@ def _ddp_cases_worker(rank, world):
     return out
 
 
-def test_ddp_trains_complex_parameters_as_torch_ddp():
-    for rank, out in enumerate(run_distributed(_ddp_cases_worker, 2, timeout=120)):
+def test_ddp_trains_complex_parameters_as_torch_ddp(launched):
+    for rank, out in enumerate(results_of(launched, "ddp cases")):
         for name, r in out.items():
             assert r["loss_diff"] <= r["atol"], (rank, name, r)
             assert r["param_diff"] <= r["atol"], (rank, name, r)
@@ -206,14 +207,14 @@ def _hooks_worker(rank, world):
     return out
 
 
-def test_ddp_comm_hooks_on_complex_buckets():
+def test_ddp_comm_hooks_on_complex_buckets(launched):
     """torch's DDP hands a hook a complex bucket's buffer as its real pairs (``view_as_real``):
     ``fp16_compress_hook`` sends both parts in fp16, and the future may hold the real pairs.
     fusedist's buckets do the same (Note [complex buckets] in fusedist/ddp/strategy.py), so every
     hook gives torch's gradients bit for bit at world size 2 (one fp16 addition, an exact
     halving), imaginary parts included. torch refuses ``bf16_compress_hook`` without NCCL (and
     its engine fails on a bf16 complex bucket), so fusedist's is checked against the plain average."""
-    for out in run_distributed(_hooks_worker, 2, timeout=120):
+    for out in results_of(launched, "hooks"):
         for name, r in out.items():
             assert r["imag"] > 0, (name, r)  # both parts reduced, never cast away
             if name not in ("bf16", "set_buffer"):
@@ -306,8 +307,8 @@ def _zero_worker(rank, world):
     return out
 
 
-def test_zero_shards_complex_parameters_as_the_unsharded_optimizer():
-    for out in run_distributed(_zero_worker, 2, timeout=120):
+def test_zero_shards_complex_parameters_as_the_unsharded_optimizer(launched):
+    for out in results_of(launched, "zero"):
         for name, worst in out.items():
             assert worst <= 1.0, (name, worst)  # in units of each dtype's tolerance
 
@@ -378,8 +379,8 @@ def _checks_worker(rank, world):
     return out
 
 
-def test_complex_refusals_digest_and_thawed_parameters():
-    for out in run_distributed(_checks_worker, 2, timeout=120):
+def test_complex_refusals_digest_and_thawed_parameters(launched):
+    for out in results_of(launched, "checks"):
         assert "parameter 0 has dtype torch.complex128" in out["offload"], out  # phase
         assert "offload=None" in out["offload"], out
         assert "'phase'" in out["digest"], out
@@ -387,3 +388,14 @@ def test_complex_refusals_digest_and_thawed_parameters():
         assert out["thawed"] == 0.0 and out["thawed_bf16"] == 0.0, out
         assert out["joined"] <= 1.0, out  # in units of each dtype's tolerance
         assert out["offload thawed"] <= 1.0, out
+
+
+# ---------------------------------------------------------------- the shared launch
+@pytest.fixture(scope="module")
+def launched(request):
+    return launch_for_selected(request, {
+        "test_ddp_trains_complex_parameters_as_torch_ddp": {"ddp cases": (_ddp_cases_worker, ())},
+        "test_ddp_comm_hooks_on_complex_buckets": {"hooks": (_hooks_worker, ())},
+        "test_zero_shards_complex_parameters_as_the_unsharded_optimizer": {"zero": (_zero_worker, ())},
+        "test_complex_refusals_digest_and_thawed_parameters": {"checks": (_checks_worker, ())},
+    }, 2, timeout=300)

@@ -2,6 +2,9 @@
 
 Every scenario is bounded: collective timeouts of a few seconds (FUSEDIST_TIMEOUT_S), a short
 report window (FUSEDIST_STALL_REPORT_S) and a wall-clock bound asserted on the whole run.
+
+The scenarios that leave the process group usable (every rank raised at the same point, or none
+did) share one launch of the ranks (``launched``), each under the settings its test's own launch had.
 """
 
 import datetime
@@ -15,6 +18,7 @@ import models
 from conftest import requires_rank_slots
 from fault_scripts.train_fault import RaiseInBackward
 from fusedist.testing import device_for_rank, run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "3"}
 
@@ -277,11 +281,10 @@ def _divergence_worker(rank, world_size):
     return errors
 
 
-def test_divergent_ranks_are_reported_on_every_rank():
-    start = time.monotonic()
-    results = run_distributed(_divergence_worker, 2, env=FAST_FAILURE, timeout=90)
-    assert time.monotonic() - start < 60
+def test_divergent_ranks_are_reported_on_every_rank(launched):
+    results = results_of(launched, "divergence")
     for rank, errors in enumerate(results):
+        assert errors["elapsed"] < 60, errors
         assert errors["alive"] == 2.0
         skip = errors["skip"]
         assert f"this is rank {rank}" in skip and "synchronized backward #2" in skip
@@ -355,11 +358,10 @@ def _last_step_worker(rank, world_size, directory):
     return out
 
 
-def test_last_step_divergence_is_found_before_a_checkpoint_is_written(tmp_path):
-    start = time.monotonic()
-    results = run_distributed(_last_step_worker, 2, str(tmp_path), env=FAST_FAILURE, timeout=90)
-    assert time.monotonic() - start < 60
+def test_last_step_divergence_is_found_before_a_checkpoint_is_written(launched):
+    results = results_of(launched, "last step")
     for rank, out in enumerate(results):
+        assert out["elapsed"] < 60, out
         assert out["alive"] == 2.0
         save = out["save"]
         assert f"this is rank {rank}" in save and "after 3 synchronized backward(s)" in save, save
@@ -383,8 +385,8 @@ def _layout_worker(rank, world_size):
     return "constructed"
 
 
-def test_bucket_layout_mismatch_is_reported_at_construction():
-    for text in run_distributed(_layout_worker, 2):
+def test_bucket_layout_mismatch_is_reported_at_construction(launched):
+    for text in results_of(launched, "layout"):
         assert "gradient bucket layout differs across ranks" in text
         assert "bucket_cap_mb" in text
 
@@ -420,8 +422,47 @@ class _null:
         return False
 
 
-def test_consistent_irregular_training_is_not_flagged():
-    assert run_distributed(_no_false_positive_worker, 2) == [(4, 3), (4, 3)]
+def test_consistent_irregular_training_is_not_flagged(launched):
+    assert results_of(launched, "no false positive") == [(4, 3), (4, 3)]
+
+
+# ---------------------------------------------------------------- the shared launch
+def _under(rank, world_size, env, fn, *args):
+    """``fn(rank, world_size, *args)`` with ``env`` in this rank's environment (None: unset), restored
+    after (the timeouts are read at each collective); a dict result gets its wall time as ``elapsed``."""
+    saved = {name: os.environ.get(name) for name in env}
+    start = time.monotonic()
+    try:
+        _set_env(env)
+        result = fn(rank, world_size, *args)
+    finally:
+        _set_env(saved)
+    if isinstance(result, dict):
+        result["elapsed"] = time.monotonic() - start
+    return result
+
+
+def _set_env(env):
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    last_step_dir = str(tmp_path_factory.mktemp("last_step"))
+    return launch_for_selected(request, {
+        "test_divergent_ranks_are_reported_on_every_rank": {
+            "divergence": (_under, (FAST_FAILURE, _divergence_worker))},
+        "test_last_step_divergence_is_found_before_a_checkpoint_is_written": {
+            "last step": (_under, (FAST_FAILURE, _last_step_worker, last_step_dir))},
+        "test_bucket_layout_mismatch_is_reported_at_construction": {
+            "layout": (_under, ({}, _layout_worker))},
+        "test_consistent_irregular_training_is_not_flagged": {
+            "no false positive": (_under, ({}, _no_false_positive_worker))},
+    }, 2, timeout=180)
 
 
 # ---------------------------------------------------------------- CUDA (the deferred host read)

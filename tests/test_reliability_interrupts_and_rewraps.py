@@ -6,15 +6,20 @@
   wrapper: a rank that skipped ``optimizer.step()`` was never reported;
 * one optimizer over two DDP models refused to step while only one of them had run a backward
   ("step() was called before any backward pass"), where torch's DDP steps the trained one.
+
+The three runs share one launch of the ranks: torch's reference first (before any fusedist model
+touched the group), the interrupted rank last (its crash entry stays in the group's store).
 """
 
 import gc
+import os
 import sys
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "5", "FUSEDIST_STALL_REPORT_S": "1"}
 
@@ -39,8 +44,8 @@ def _interrupted_worker(rank, world_size):
     return stall_report.render(entries, world_size, 0.5, rank)
 
 
-def test_an_interrupted_rank_is_reported_as_interrupted_not_as_exited():
-    for report in run_distributed(_interrupted_worker, 2, env=FAST_FAILURE, timeout=60):
+def test_an_interrupted_rank_is_reported_as_interrupted_not_as_exited(launched):
+    for report in results_of(launched, "interrupted"):
         assert "rank 1" in report and "CRASHED with KeyboardInterrupt" in report, report
         assert "EXITED" not in report
 
@@ -92,9 +97,8 @@ def _models_worker(rank, world_size, which):
     return out
 
 
-def test_step_guard_follows_rewrapped_modules_and_several_models():
-    ours = run_distributed(_models_worker, 2, "fusedist", env=FAST_FAILURE, timeout=90)
-    ref = run_distributed(_models_worker, 2, "torch", timeout=90)
+def test_step_guard_follows_rewrapped_modules_and_several_models(launched):
+    ours, ref = results_of(launched, "models, fusedist"), results_of(launched, "models, torch")
     for rank in range(2):
         got, want = ours[rank]["two_models"], ref[rank]["two_models"]
         assert not isinstance(got, str), got
@@ -102,3 +106,30 @@ def test_step_guard_follows_rewrapped_modules_and_several_models():
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
         text = ours[rank]["rewrapped"]
         assert text.startswith("RankMismatchError") and "optimizer_steps: ranks [0]: 2; ranks [1]: 1" in text, text
+
+
+# ---------------------------------------------------------------- the shared launch
+def _under(rank, world_size, env, fn, *args):
+    """``fn(rank, world_size, *args)`` with ``env`` added to this rank's environment (read at each
+    collective), restored after."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    return launch_for_selected(request, {
+        "test_step_guard_follows_rewrapped_modules_and_several_models": {
+            "models, torch": (_models_worker, ("torch",)),
+            "models, fusedist": (_under, (FAST_FAILURE, _models_worker, "fusedist"))},
+        "test_an_interrupted_rank_is_reported_as_interrupted_not_as_exited": {
+            "interrupted": (_under, (FAST_FAILURE, _interrupted_worker))},
+    }, 2, timeout=150)

@@ -1,17 +1,43 @@
 """Replicated parameters that differ across ranks, and sparse-gradient weights frozen on some
 ranks only, are found by the per-step check and named (Note [parameter check] in
 fusedist/reliability/param_check.py, Note [sparse weights in the step check] in
-fusedist/reliability/engine_watch.py)."""
+fusedist/reliability/engine_watch.py); the parameter check names a parameter by its current path
+after its ModuleList was renumbered, sees swapped and sign-flipped elements, and says that a gradient
+changed after the average made the replicas differ.
+
+The multi-rank scenarios of this file's tests share one launch of the ranks (starting them costs
+more than the scenarios); each runs under the settings its test's own launch had."""
 
 import os
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 # A short collective timeout: without the checks, the sparse case below ends in a stall.
 ENV = {"FUSEDIST_PARAM_CHECK_EVERY": "2", "FUSEDIST_TIMEOUT_S": "5"}
+
+
+def _under(rank, world_size, env, fn, *args):
+    """``fn(rank, world_size, *args)`` with ``env`` in this rank's environment (None: unset),
+    restored after: the check period is read when a model is wrapped, the timeout at each
+    collective, so each scenario sees the settings it was written for."""
+    saved = {name: os.environ.get(name) for name in env}
+    try:
+        _set_env(env)
+        return fn(rank, world_size, *args)
+    finally:
+        _set_env(saved)
+
+
+def _set_env(env):
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _net():
@@ -116,8 +142,8 @@ def _parameters_worker(rank, world_size):
     return out
 
 
-def test_replicated_parameters_that_differ_are_found_and_named():
-    for rank, out in enumerate(run_distributed(_parameters_worker, 2, env=ENV, timeout=60)):
+def test_replicated_parameters_that_differ_are_found_and_named(launched):
+    for rank, out in enumerate(results_of(launched, "parameters")):
         message = out["in_place"]
         assert message is not None, f"rank {rank}: a weight changed on rank 1 went unnoticed"
         assert out["steps_run"] == 2, out  # raised at the forward after backward #2 (its check)
@@ -170,11 +196,11 @@ def _sparse_worker(rank, world_size):
     return _sparse_run(rank, [1]), _sparse_run(rank, [0, 1])
 
 
-def test_sparse_weight_frozen_on_one_rank_is_named_on_every_rank():
+def test_sparse_weight_frozen_on_one_rank_is_named_on_every_rank(launched):
     """Rank 1 freezes an nn.Embedding(sparse=True): every rank raises at the end of that backward,
     naming the weight and the ranks, instead of a collective timeout; frozen on every rank alike,
     training goes on with equal replicas."""
-    results = run_distributed(_sparse_worker, 2, env=ENV, timeout=60)
+    results = results_of(launched, "sparse")
     for rank, ((message, _), _) in enumerate(results):
         assert message is not None, f"rank {rank}: no mismatch reported"
         assert "synchronized backward #2" in message and "reported at the end of that backward" in message, message
@@ -197,3 +223,184 @@ def test_digest_depends_on_the_bits_only_not_where_they_lie():
         changed = view.clone()
         changed[-1] = torch.nextafter(changed[-1], torch.tensor(float("inf")))
         assert tensor_digest(changed).item() != tensor_digest(view).item()
+
+
+# ---------------------------------------------------------------- names after the module tree changed
+# (Note [names follow the module] in fusedist/ddp/module_tree.py)
+class _Stack(nn.Module):
+    def __init__(self, head=()):
+        super().__init__()
+        self.layers = nn.ModuleList([*head, nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _diverge_after(change, rank, head=()):
+    """Train, check, ``change`` the wrapped model's tree, train, make rank 1's copy of the middle
+    Linear's weight differ, check again: (its current path, the check's message or None)."""
+    import fusedist
+
+    torch.manual_seed(0)
+    net = _Stack(head)
+    model = fusedist.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(10 + rank)
+
+    def step():
+        model(torch.randn(4, 6, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    model.check_consistency()  # the digest exists before the tree changes (built under wrap-time names)
+    target = net.layers[len(head) + 1].weight
+    change(net.layers)
+    step()
+    current = next(n for n, p in net.named_parameters() if p is target)
+    if rank == 1:
+        with torch.no_grad():
+            target.add_(torch.randn(target.shape, generator=gen))
+    try:
+        model.check_consistency()
+    except Exception as e:  # noqa: BLE001 -- the message is what is checked
+        return current, str(e)
+    return current, None
+
+
+def _renumbering_worker(rank, world):
+    return {
+        # every Linear moves up one index: the middle one was wrapped as 'layers.1', is 'layers.2' now
+        "insert": _diverge_after(lambda layers: layers.insert(0, nn.Identity()), rank),
+        # every Linear moves down one index: the middle one was wrapped as 'layers.2', is 'layers.1' now
+        "del": _diverge_after(lambda layers: layers.__delitem__(0), rank, head=[nn.ReLU()]),
+    }
+
+
+def test_parameter_check_names_current_path_after_renumbering(launched):
+    """After a ModuleList insert or del renumbers its entries, the parameter check names a parameter
+    that differs across ranks by its current path, not by the one it had when the model was wrapped."""
+    for rank, out in enumerate(results_of(launched, "renumbering")):
+        for case, expected, stale in (("insert", "layers.2.weight", "layers.1.weight"),
+                                      ("del", "layers.1.weight", "layers.2.weight")):
+            current, message = out[case]
+            assert current == expected, (case, out)
+            assert message is not None, f"rank {rank}, {case}: a weight changed on rank 1 went unnoticed"
+            assert f"parameter '{current}' (shape (6, 6)) differs across ranks: ranks [0] | ranks [1]" in message, \
+                (rank, case, message)
+            assert f"'{stale}'" not in message, (rank, case, message)  # the wrap-time path: another Linear now
+
+
+# ---------------------------------------------------------------- swapped and sign-flipped elements
+# (Note [a digest that sees positions] in fusedist/reliability/param_check.py)
+def _swap_worker(rank, world_size):
+    import fusedist
+    from fusedist import RankMismatchError
+
+    out = {}
+    for what in ("swap", "sign"):
+        torch.manual_seed(0)
+        model = fusedist.DistributedDataParallel(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        try:
+            for step in range(3):
+                model(torch.randn(4, 6, generator=gen)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if step == 0 and rank == 1:
+                    with torch.no_grad():
+                        w = model.module[0].weight.view(-1)
+                        if what == "swap":  # two elements of a replicated weight change places
+                            w[[2, 8]] = w[[8, 2]].clone()
+                        else:  # one element's sign, in the upper half of an int64 word
+                            w[5] = -w[5]
+            out[what] = None
+        except RankMismatchError as exc:
+            out[what] = str(exc)
+    return out
+
+
+def test_swapped_or_sign_flipped_weight_on_one_rank_is_named_on_every_rank(launched):
+    for rank, out in enumerate(results_of(launched, "swap")):
+        for what, message in out.items():
+            assert message is not None, (rank, what)
+            assert "parameter '0.weight'" in message and "ranks [0] | ranks [1] hold different values" in message, \
+                message
+
+
+# ---------------------------------------------------------------- a gradient changed after the average
+# A gradient changed on one rank after DDP averaged it (code between backward() and step()): the
+# ranks ran the same steps and collectives, only their parameters differ, and the error says so --
+# it names gradients or weights changed on some ranks, not rank-dependent control flow (Note
+# [parameters that differ after the same steps] in fusedist/reliability/step_check.py).
+AFTER_REDUCE = "drifted apart after the reduce"
+CONTROL_FLOW = "rank-dependent control flow"
+
+
+def _edit_after_reduce(rank: int, world: int, optimizer: str) -> dict:
+    """Four steps; on step 1, rank 1 adds 1 to one element of its averaged gradient (a
+    rank-local edit). The parameter check (every step here) takes step 2's digest at the end of
+    its backward; the verdict is read at step 3's forward."""
+    import fusedist
+    from fusedist import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    ddp = DDP(model)
+    params = list(ddp.parameters())
+    opt = torch.optim.SGD(params, lr=0.1) if optimizer == "torch" else fusedist.optim.FusedAdam(params, lr=0.01)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(4):
+        try:
+            loss = ddp(torch.randn(4, 6, generator=gen)).square().mean()
+        except fusedist.RankMismatchError as exc:
+            return {"step": step, "message": str(exc)}
+        loss.backward()
+        if step == 1 and rank == 1:
+            model[0].weight.grad[2, 3] += 1.0
+        opt.step()
+        opt.zero_grad()
+    return {"step": None, "message": None}
+
+
+@pytest.mark.parametrize("optimizer", ["torch", "fused"])
+def test_grad_changed_after_reduce_is_named_on_both_ranks(launched, optimizer):
+    per_rank = results_of(launched, f"after reduce, {optimizer}")
+    for rank, result in enumerate(per_rank):
+        assert result["step"] == 3, (rank, result)  # step 2 backward digest, read at step 3
+        message = result["message"]
+        assert f"this is rank {rank}" in message
+        assert "their parameters differ" in message
+        assert "parameter '0.weight' (shape (5, 6)) differs across ranks: ranks [0] | ranks [1]" in message
+        assert "'2.weight'" not in message and "'0.bias'" not in message  # (the edit reached only 0.weight)
+        assert "changed its gradients after they were averaged" in message
+        assert AFTER_REDUCE in message and "between backward() and optimizer.step()" in message
+        assert CONTROL_FLOW not in message, message
+    assert per_rank[0]["message"].replace("rank 0)", "rank 1)") == per_rank[1]["message"]
+
+
+# ---------------------------------------------------------------- the shared launch
+# {test: {scenario: (fn, args)}}, each under the settings its test's own launch had (the launch's
+# own environment is the parent's, which each scenario finds again).
+_EVERY_1 = {"FUSEDIST_PARAM_CHECK_EVERY": "1"}
+SCENARIOS = {
+    "test_replicated_parameters_that_differ_are_found_and_named": {
+        "parameters": (_under, (ENV, _parameters_worker))},
+    "test_sparse_weight_frozen_on_one_rank_is_named_on_every_rank": {
+        "sparse": (_under, (ENV, _sparse_worker))},
+    "test_parameter_check_names_current_path_after_renumbering": {
+        "renumbering": (_under, ({**_EVERY_1, "FUSEDIST_TIMEOUT_S": "5"}, _renumbering_worker))},
+    "test_swapped_or_sign_flipped_weight_on_one_rank_is_named_on_every_rank": {
+        "swap": (_under, ({**_EVERY_1, "FUSEDIST_TIMEOUT_S": "10"}, _swap_worker))},
+    "test_grad_changed_after_reduce_is_named_on_both_ranks": {
+        f"after reduce, {optimizer}": (_under, (_EVERY_1, _edit_after_reduce, optimizer))
+        for optimizer in ("torch", "fused")},
+}
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    return launch_for_selected(request, SCENARIOS, 2, timeout=180)

@@ -1,11 +1,11 @@
 """The parameter digest sees where each element lies (Note [a digest that sees positions] in
-fusedist/reliability/param_check.py): swapped, moved and sign-flipped elements are found."""
+fusedist/reliability/param_check.py): swapped, moved and sign-flipped elements are found. (The
+two-rank case, a weight swapped or sign-flipped on one rank named on every rank, is
+test_swapped_or_sign_flipped_weight_on_one_rank_is_named_on_every_rank in the shared launch of
+test_reliability_parameter_digest_and_sparse_freeze.py.)"""
 
 
 import torch
-from torch import nn
-
-from fusedist.testing import run_distributed
 
 
 def _reference_digest(t: torch.Tensor) -> int:
@@ -71,40 +71,3 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     flat = torch.empty(t.numel() + 1, dtype=t.dtype)
     flat[1:].copy_(t.reshape(-1))
     return flat[1:].view(t.shape)
-
-
-def _swap_worker(rank, world_size):
-    import fusedist
-    from fusedist import RankMismatchError
-
-    out = {}
-    for what in ("swap", "sign"):
-        torch.manual_seed(0)
-        model = fusedist.DistributedDataParallel(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        gen = torch.Generator().manual_seed(rank)
-        try:
-            for step in range(3):
-                model(torch.randn(4, 6, generator=gen)).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-                if step == 0 and rank == 1:
-                    with torch.no_grad():
-                        w = model.module[0].weight.view(-1)
-                        if what == "swap":  # two elements of a replicated weight change places
-                            w[[2, 8]] = w[[8, 2]].clone()
-                        else:  # one element's sign, in the upper half of an int64 word
-                            w[5] = -w[5]
-            out[what] = None
-        except RankMismatchError as exc:
-            out[what] = str(exc)
-    return out
-
-
-def test_swapped_or_sign_flipped_weight_on_one_rank_is_named_on_every_rank():
-    env = {"FUSEDIST_PARAM_CHECK_EVERY": "1", "FUSEDIST_TIMEOUT_S": "10"}
-    for rank, out in enumerate(run_distributed(_swap_worker, 2, env=env, timeout=60)):
-        for what, message in out.items():
-            assert message is not None, (rank, what)
-            assert "parameter '0.weight'" in message and "ranks [0] | ranks [1] hold different values" in message, \
-                message

@@ -1,12 +1,16 @@
 """Stall reports and per-step checks where several models share a process group, and the names
-the reliability layer gives its own collectives."""
+the reliability layer gives its own collectives. The two fully_shard checks share one launch of
+the ranks (``launched``); the stall stays in a launch of its own (it leaves a collective unpaired)."""
 
+import os
 import time
 
+import pytest
 import torch
 
 import models
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "2", "FUSEDIST_STALL_REPORT_S": "1"}
 
@@ -87,9 +91,9 @@ def _sharded_tags_worker(rank, world_size):
     return tags, position.get("models_on_group"), position.get("ddp_step")
 
 
-def test_fully_shard_step_check_is_not_named_a_ddp_one():
+def test_fully_shard_step_check_is_not_named_a_ddp_one(launched):
     """The fully_shard model's per-step check shows in stall reports under its own name."""
-    for tags, models_on_group, ddp_step in run_distributed(_sharded_tags_worker, 2, timeout=60):
+    for tags, models_on_group, ddp_step in results_of(launched, "tags"):
         assert tags == ["fully_shard step check"], tags
         assert (models_on_group, ddp_step) == (2, 2)
 
@@ -110,6 +114,15 @@ def test_launch_time_of_a_collective_is_not_taken_from_a_later_one():
 
 
 def _sharded_checks_off_worker(rank, world_size):
+    """(Run before any model with the checks on: the optimizer-step guard, once installed, stays.)"""
+    os.environ["FUSEDIST_CHECKS"] = "0"  # (as the whole launch had it: read when sharded and at each step)
+    try:
+        return _sharded_local_step(rank)
+    finally:
+        del os.environ["FUSEDIST_CHECKS"]
+
+
+def _sharded_local_step(rank):
     model, opt = _sharded_block_stack()
     model.set_requires_gradient_sync(False)
     model(torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))).sum().backward()
@@ -120,7 +133,15 @@ def _sharded_checks_off_worker(rank, world_size):
     return "stepped"
 
 
-def test_checks_off_turns_the_fully_shard_step_guard_off():
+def test_checks_off_turns_the_fully_shard_step_guard_off(launched):
     """FUSEDIST_CHECKS=0 turns the optimizer-step guard off for fully_shard models too."""
-    results = run_distributed(_sharded_checks_off_worker, 2, env={"FUSEDIST_CHECKS": "0"}, timeout=60)
+    results = results_of(launched, "checks off")
     assert results == ["stepped", "stepped"], results
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    return launch_for_selected(request, {
+        "test_checks_off_turns_the_fully_shard_step_guard_off": {"checks off": (_sharded_checks_off_worker, ())},
+        "test_fully_shard_step_check_is_not_named_a_ddp_one": {"tags": (_sharded_tags_worker, ())},
+    }, 2, timeout=120)

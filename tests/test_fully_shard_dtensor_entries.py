@@ -21,6 +21,8 @@ import pytest
 import torch
 from torch import nn
 
+import fusedist
+import models
 from shared_rank_launch import launch_for_selected, results_of
 
 
@@ -533,7 +535,11 @@ JOBS = {
 def launched(request, tmp_path_factory):
     where = str(tmp_path_factory.mktemp("ck"))  # (torch DCP's checkpoint of the gradients' scenario)
     jobs = dict(JOBS, test_grads_answer_as_a_subclass_and_train_as_fsdp2={"grads local": (_grads_are_local,
-                                                                                           (1357, where))})
+                                                                                           (1357, where))},
+                test_a_block_removed_after_the_first_forward_trains_as_fsdp2={
+                    "block_removed": (_block_removed, (str(tmp_path_factory.mktemp("removed_block_ckpt")),))},
+                test_a_gradient_before_the_first_forward_is_refused_by_name={
+                    "grad_first": (_grad_before_forward, ())})
     return launch_for_selected(request, jobs, 2, timeout=240)
 
 
@@ -698,3 +704,147 @@ def test_module_called_alone_before_the_root_forward_is_refused(launched):
         assert message and "module '<Sequential>.0' (Linear)" in message, (rank, message)
         assert "before the model's first forward" in message and "torch.no_grad()" in message, (rank, message)
         assert out["no_grad"] == 0.0 and out["params"] <= 1e-6, (rank, out)
+
+
+# A unit that leaves the model or is used oddly:
+# fully_shard where a unit leaves the model or is used oddly, against torch's FSDP2 (gloo, 2 ranks).
+# 
+# A sharded block deleted after the first forward (``del model.blocks[1]``) trains as FSDP2 and the
+# unsharded model without the block do, its pieces staying in the optimizer (no gradients: not
+# stepped), the model's state dict round-trips, and the block frees what it held gathered at the
+# next forward (Note [a sharded unit removed] in fusedist/fsdp/tree_names.py). A gathered
+# parameter used directly under grad before the first forward is refused by name (Note [a gradient
+# before the first forward] in fusedist/fsdp/early_grad.py), where it used to fail with an
+# AttributeError from inside the autograd hook.
+
+
+def _rm_sharded(shard, mesh, base):
+    model = copy.deepcopy(base)
+    for b in model.blocks:
+        shard(b, mesh=mesh, reshard_after_forward=False)  # an evaluation forward leaves them gathered
+    shard(model, mesh=mesh)
+    return model
+
+
+def _rm_full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _rm_train(model, opt, batches):
+    for x, y in batches:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _block_removed(rank, ws, ckpt):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fusedist.fsdp.state import state_of
+
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(11)  # every rank builds the same model
+    base = models.BlockStack(blocks=3)
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batch
+    batches = [(torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)) for _ in range(3)]
+    out = {}
+    for who, shard in [("torch", fully_shard), ("fusedist", fusedist.fully_shard)]:
+        model = _rm_sharded(shard, mesh, base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        _rm_train(model, opt, batches[:1])
+        with torch.no_grad():
+            model(batches[0][0])  # the blocks stay gathered (reshard_after_forward=False)
+        removed = model.blocks[1]
+        del model.blocks[1]
+        with torch.no_grad():  # an evaluation forward: the removed block is neither run nor prefetched
+            out[who + "_eval"] = model(batches[0][0])
+        if who == "fusedist":
+            out["removed_gathered"] = state_of(removed).unit._gathered_bytes
+        _rm_train(model, opt, batches[1:])
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}  # (its entries alias the shards)
+        out[who] = {k: _rm_full(v).detach().clone() for k, v in sd.items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        model.load_state_dict(sd)
+        out[who + "_reloaded"] = {k: _rm_full(v).detach().clone() for k, v in model.state_dict().items()}
+        if who == "fusedist":  # torch's distributed checkpoint, saved and loaded back
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(model.state_dict(), checkpoint_id=ckpt)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            sd = model.state_dict()
+            dcp.load(sd, checkpoint_id=ckpt)
+            model.load_state_dict(sd)
+            out["dcp_reloaded"] = {k: _rm_full(v).detach().clone() for k, v in model.state_dict().items()}
+            out["full"] = {k: v.clone() for k, v in fusedist.fsdp.full_state_dict(model).items()}
+        torch.manual_seed(5)
+        x = torch.randn(4, 5)
+        out[who + "_after"] = model(x).detach()
+    # the unsharded model without the block, each step on the global batch (the ranks' mean loss)
+    ref = copy.deepcopy(base)
+    everyone = [[(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)) for _ in range(3)]
+                for g in [torch.Generator().manual_seed(100 + r) for r in range(ws)]]
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        if step == 1:
+            del ref.blocks[1]
+        xs = torch.cat([b[step][0] for b in everyone])
+        ys = torch.cat([b[step][1] for b in everyone])
+        torch.nn.functional.mse_loss(ref(xs), ys).backward()
+        opt.step()
+        opt.zero_grad()
+    out["ref"] = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    return out
+
+
+def _grad_before_forward(rank, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (ws,))
+    torch.manual_seed(12)
+    base = models.BlockStack()
+    gen = torch.Generator().manual_seed(200 + rank)
+    batches = [(torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)) for _ in range(2)]
+    out = {}
+    for who, shard in [("torch", fully_shard), ("fusedist", fusedist.fully_shard)]:
+        model = _rm_sharded(shard, mesh, base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if who == "fusedist":
+            model.blocks[0].unshard()
+            with pytest.raises(RuntimeError) as err:
+                model.blocks[0].fc1.weight.sum().backward()
+            out["error"] = str(err.value)
+        _rm_train(model, opt, batches)
+        out[who] = {k: _rm_full(v).detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def _rm_close(a: dict, b: dict, tol: float) -> None:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_a_block_removed_after_the_first_forward_trains_as_fsdp2(launched):
+    for res in results_of(launched, "block_removed"):
+        # fp32, 3 AdamW steps, reductions in another order than the global batch's: ~1e-6
+        _rm_close(res["fusedist"], res["torch"], 1e-5)
+        _rm_close(res["fusedist"], res["ref"], 1e-5)
+        _rm_close(res["fusedist_reloaded"], res["fusedist"], 0.0)
+        _rm_close(res["dcp_reloaded"], res["fusedist"], 0.0)
+        _rm_close(res["full"], res["ref"], 1e-5)
+        torch.testing.assert_close(res["fusedist_after"], res["torch_after"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(res["fusedist_eval"], res["torch_eval"], rtol=1e-5, atol=1e-5)
+        assert res["removed_gathered"] == 0, res["removed_gathered"]  # it stayed gathered for good
+
+
+def test_a_gradient_before_the_first_forward_is_refused_by_name(launched):
+    for res in results_of(launched, "grad_first"):
+        assert "'fc1.weight'" in res["error"] and "before the model's first forward" in res["error"], res["error"]
+        # the refused gradient was dropped: training then equals FSDP2's without the direct use (fp32)
+        _rm_close(res["fusedist"], res["torch"], 1e-5)

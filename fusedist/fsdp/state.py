@@ -180,9 +180,13 @@ from ..ddp.prepared import refuse_compiled_autograd
 from . import recovery
 from .containers import grad_tensors as _grad_tensors
 from .containers import map_tensors as _map_tensors
+from .early_grad import refuse_grad_before_forward
 from .iteration import IterationContext
 from .owners import register_pieces
 from .root_setup import check_materialized, set_up_root
+from .routed_inputs import InputsBackward as _InputsBackward
+from .routed_inputs import OpenCall as _OpenCall
+from .routed_inputs import replace_tensors as _replace_tensors
 from .tensor_parallel import drop_pending_grads, settle_pending_grads
 
 # a module -> a weak reference to its state: the state holds the module (its hooks hold the state), so a
@@ -204,32 +208,6 @@ def _cast(dtype, obj):
 _WITH_COMPILED_AUTOGRAD = "torch's fully_shard (FSDP2)"
 
 
-class _InputsBackward(torch.autograd.Function):
-    """Identity on a unit call's inputs; its backward tells the state that the gradients of
-    the inputs are done (Note [frozen parameters in backward])."""
-
-    @staticmethod
-    def forward(ctx, state, call, *tensors):
-        ctx.state, ctx.call = state, call
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.state._on_inputs_grad(ctx.call)
-        return (None, None, *grads)
-
-
-class _OpenCall:
-    """A unit call whose inputs' gradients are still to come; alive while its autograd node is
-    (Note [frozen parameters in backward])."""
-
-    __slots__ = ("__weakref__",)
-
-
-def _replace_tensors(obj, new: dict):
-    return _map_tensors(lambda t: new.get(id(t), t), obj)
-
-
 class FullyShardState:
     """The hooks of one ``fully_shard`` module (Note [unit schedule]); ``unit`` is None when
     every parameter of the module belongs to units below it."""
@@ -245,6 +223,7 @@ class FullyShardState:
         self.is_root: Optional[bool] = None
         self.ctx: Optional[IterationContext] = None
         self.forward_prefetch: Optional[list] = None
+        self.removed = False  # left the root's tree (Note [a sharded unit removed] in tree_names.py)
         self.backward_prefetch: Optional[list] = None
         self.backward_pending = False  # ran forward with grad, or backward, since the last backward ended
         # ran forward with grad since its gradients were last reduced (Note [accumulated units
@@ -359,7 +338,7 @@ class FullyShardState:
         nxt = ctx.next_in_forward(self) if unit is not None else None
         targets = self.forward_prefetch if self.forward_prefetch is not None else ([nxt] if nxt else [])
         for st in targets:
-            if st is not self and st.unit is not None:
+            if st is not self and st.unit is not None and not st.removed:  # Note [a sharded unit removed]
                 st.unit.unshard(async_op=True)
         return args, kwargs
 
@@ -468,6 +447,8 @@ class FullyShardState:
         self._maybe_post_backward()
 
     def _on_grad(self, index: int) -> None:
+        if self.ctx is None:  # Note [a gradient before the first forward] in early_grad.py
+            refuse_grad_before_forward(self.unit, index)
         self.ctx.ensure_final_callback()
         self.backward_pending = True
         if self._post_backward_done:  # Note [gradients after the unit's reduction]

@@ -39,6 +39,19 @@ Note [the tree's fingerprint]
     such a write is seen by the spine at the next forward (Note [a sharded submodule replaced] in
     replaced_modules.py); elsewhere it is followed at the next full comparison -- the next
     fingerprint change or ``check_consistency()``.
+
+Note [a sharded unit removed]
+    ``del model.blocks[1]`` after the first forward removes a unit from the root's tree. It stays
+    one of the root's units, as in torch's FSDP2: the optimizer still holds its pieces, which get
+    no gradient and are not stepped (an optimizer skips a parameter without ``.grad``), the step
+    watch keeps them, the state dict no longer lists them; training equals the unsharded model
+    with the block removed. What it held gathered is freed when the root sees the tree changed,
+    and no forward prefetches it (the previous forward's order named it next after its neighbour):
+    nothing under the root runs it now, so nothing would reshard one kept gathered
+    (``reshard_after_forward=False``, forwards without gradients: an evaluation loop) until a
+    backward or an optimizer step (FSDP2 keeps it gathered). Put back, it is a unit as before. A
+    removed module *replaced* by another is refused (Note [a sharded submodule replaced] in
+    replaced_modules.py).
 """
 
 from __future__ import annotations
@@ -116,7 +129,9 @@ class RootTree:
             tree.snapshot(module)
         self.fingerprint = _Fingerprint(self.trees)
         self._take_places(states)
-        name_units(states, {id(m): n for member in self.modules for n, m in member.named_modules()})
+        names = {id(m): n for member in self.modules for n, m in member.named_modules()}
+        name_units(states, names)
+        _reshard_removed(states, names)
         if watch is not None:
             params = WeakIdKeyDictionary()  # (weak: a parameter that leaves the tree is not kept alive)
             for member in self.modules:
@@ -143,6 +158,17 @@ def name_units(states: list, names: dict) -> None:
                 old = st.unit.member_paths or [None] * len(st.modules)
                 st.unit.member_paths = [names.get(id(m), o) for m, o in zip(st.modules, old)]
             st.unit.names = _names_in_unit(st.unit, st.modules)
+
+
+def _reshard_removed(states: list, names: dict) -> None:
+    """Mark the units no module of which is in the tree any more, and free what they hold gathered
+    (Note [a sharded unit removed]). Local (no collective): every rank frees its own copy. One whose
+    call is running or whose backward is still to come is left to that (``check_consistency()``
+    between a forward and its backward)."""
+    for st in states:
+        st.removed = st.unit is not None and not any(id(m) in names for m in st.modules)
+        if st.removed and not st.forward_running and not st.backward_pending:
+            st.unit.reshard()
 
 
 def param_path(unit, index: int) -> str:

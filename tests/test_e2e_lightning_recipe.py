@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+import test_lightning_launch
 
 IN, HIDDEN, OUT = 8, 16, 3
 BATCH = 4           # per rank and micro-batch
@@ -419,48 +419,42 @@ def test_comm_hook_wrapper_is_applied(shared_launch):
 
 
 # ----------------------------------------------------------------------------- one launch
-# One launch of 2 ranks runs the jobs of the tests of this file that pytest runs, in sequence
-# (each launch costs a process group and the imports of torch and Lightning in every rank); the
-# refusal runs last, as its ranks stop inside a Trainer.
+# The jobs of the tests of this file that pytest runs go into the launch of 2 ranks shared with
+# the other Lightning and Fabric files (test_lightning_launch.py), in sequence (each launch costs a
+# process group and the imports of torch and Lightning in every rank); the refusal runs last of
+# this file's, as its ranks stop inside a Trainer.
 _FOCUSED = {"communication hooks": ("test_comm_hook_wrapper_is_applied", _comm_hook_worker),
             "clip by value on stage 2": ("test_clip_by_value_on_zero_stage_2_is_refused",
                                          _stage2_clip_by_value_worker)}
+SEEDS = {job: random.randrange(2**31) for job in [*CASES, *_FOCUSED]}  # data seeds, fresh each run
 
 
-def _jobs_worker(rank, world, jobs, root):
-    """Each job in turn, with its own data seed and checkpoint folder: a recipe case (side by
-    side) or a focused check; a job that raises gives its traceback, and the next one runs."""
-    import traceback
-
-    out = {}
-    for job, seed in jobs:
-        try:
-            if job in CASES:
-                where = os.path.join(root, f"case{list(CASES).index(job)}")
-                out[job] = _side_by_side_worker(rank, world, CASES[job][0], seed, where)
-            else:
-                out[job] = _FOCUSED[job][1](rank, world, seed)
-        except Exception:  # noqa: BLE001 - reported by the job's test
-            out[job] = traceback.format_exc()
-    return out
+def _job(rank, world, job, seed, root):
+    """A recipe case (side by side, its own checkpoint folder) or a focused check."""
+    if job in CASES:
+        where = os.path.join(root, f"case{list(CASES).index(job)}")
+        return _side_by_side_worker(rank, world, CASES[job][0], seed, where)
+    return _FOCUSED[job][1](rank, world, seed)
 
 
-def _job_of(item):
-    """The shared launch's job of a collected test of this file, or None."""
-    if getattr(item, "originalname", None) == "test_lightning_recipe_matches_lightning_ddp":
-        return item.callspec.params["case"]
-    return next((job for job, (test, _) in _FOCUSED.items() if item.name == test), None)
+def _jobs(tmp_path_factory):
+    """Each recipe case as a test of its own (a case selected alone runs alone), then the
+    focused checks."""
+    root = str(tmp_path_factory.mktemp("lightning"))
+    jobs = {f"test_lightning_recipe_matches_lightning_ddp[{case}]": {case: (_job, (case, SEEDS[case], root))}
+            for case in CASES}
+    return {**jobs, **{test: {job: (_job, (job, SEEDS[job], root))} for job, (test, _) in _FOCUSED.items()}}
+
+
+test_lightning_launch.register(_jobs, seconds=600)
 
 
 @pytest.fixture(scope="module")
 def shared_launch(request, tmp_path_factory):
-    """{job: (data seed, per-rank results)} for the jobs of the tests of this file that pytest runs."""
-    jobs = [_job_of(item) for item in request.session.items if item.module is request.module]
-    jobs = sorted({job for job in jobs if job is not None}, key=lambda job: job == "clip by value on stage 2")
-    seeds = [(job, random.randrange(2**31)) for job in jobs]
-    per_rank = run_distributed(_jobs_worker, 2, seeds, str(tmp_path_factory.mktemp("lightning")),
-                               timeout=600)
-    return {job: (seed, [results[job] for results in per_rank]) for job, seed in seeds}
+    """{job: (data seed, per-rank results: what the rank returned, or the traceback it raised)}
+    for the jobs of the tests of this file that pytest runs."""
+    launched = test_lightning_launch.shared_launch(request, tmp_path_factory)
+    return {job: (SEEDS[job], [value for _, value in per_rank]) for job, per_rank in launched.items()}
 
 
 def _outcome(per_rank: list, job: str) -> list:

@@ -19,8 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _launched_env
+from test_lightning_launch import register, shared_launch
 
 TOL = 1e-6
 
@@ -133,14 +134,22 @@ def test_fabric_fully_shard_module_built_on_meta_gets_the_unsharded_initial_valu
     results_of(launched, "meta init")
 
 
-@pytest.fixture(scope="module")
-def launched(request, tmp_path_factory):
-    """The selected tests' cases in one launch of 2 ranks (each sets up its own Fabrics and
-    models, each precision writes to its own directory)."""
-    return launch_for_selected(request, {
+def _jobs(tmp_path_factory):
+    """The selected tests' cases (each sets up its own Fabrics and models, each precision writes
+    to its own directory), in the launch shared with the other Lightning and Fabric files
+    (test_lightning_launch.py)."""
+    return {
         "test_fabric_fully_shard_loop_saves_loads_and_trains_as_fsdp2": {
             f"compare {precision}": (_compare, (precision, str(tmp_path_factory.mktemp("fabric_mp"))))
             for precision in PRECISIONS},
         "test_fabric_fully_shard_module_built_on_meta_gets_the_unsharded_initial_values": {
             "meta init": (_meta_init, ())},
-    }, 2, timeout=480)
+    }
+
+
+register(_jobs, seconds=480)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)

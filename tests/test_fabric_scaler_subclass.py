@@ -25,8 +25,9 @@ import pytest
 import torch
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _launched_env
+from test_lightning_launch import register, shared_launch
 
 
 class _RecordingScaler(torch.amp.GradScaler):
@@ -121,9 +122,18 @@ SCENARIOS = {
 }
 
 
+def _jobs(tmp_path_factory):
+    """The scenarios, in the launch shared with the other Lightning and Fabric files
+    (test_lightning_launch.py)."""
+    return SCENARIOS
+
+
+register(_jobs, seconds=300)
+
+
 @pytest.fixture(scope="module")
-def launched(request):
-    return launch_for_selected(request, SCENARIOS, 2, timeout=300)
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)
 
 
 def test_scaler_subclass_and_disabled_scaler_train_as_under_fabric_ddp(launched):

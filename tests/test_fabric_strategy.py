@@ -21,8 +21,9 @@ import pytest
 import torch
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _launched_env
+from test_lightning_launch import register, shared_launch
 
 TOL = {"32-true": 1e-5, "bf16-mixed": 1e-3, "16-mixed": 1e-3}
 STEPS, SAVED_AT, ACCUMULATE = 6, 3, 2
@@ -356,11 +357,11 @@ def test_fabric_separate_setup_with_bf16_true_keeps_fp32_masters(zero_stage, lau
     results_of(launched, f"separate setup, bf16-true, ZeRO {zero_stage}")
 
 
-@pytest.fixture(scope="module")
-def launched(request, tmp_path_factory):
-    """The checks of this file's selected tests in one launch of 2 ranks (shared_rank_launch.py);
-    each runs in the ranks as it ran in a launch of its own, its assertions included. 600 s: the
-    eight launches it replaces had 1620 s together; it takes 30-60 s on a loaded 2-core machine."""
+def _jobs(tmp_path_factory):
+    """The checks of this file's selected tests, in the launch shared with the other Lightning
+    and Fabric files (test_lightning_launch.py); each runs in the ranks as it ran in a launch of
+    its own, its assertions included. 600 s: the eight launches they replaced had 1620 s
+    together; they take 30-60 s on a loaded 2-core machine."""
     root = tmp_path_factory.mktemp("fabric")
 
     def compare(precision, zero_stage):
@@ -382,4 +383,12 @@ def launched(request, tmp_path_factory):
             "test_fabric_separate_setup_with_bf16_true_keeps_fp32_masters": {
                 f"separate setup, bf16-true, ZeRO {stage}": (_separate_setup_half_precision, (stage,))
                 for stage in (0, 2)}}
-    return launch_for_selected(request, jobs, 2, timeout=600)
+    return jobs
+
+
+register(_jobs, seconds=600)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)

@@ -21,9 +21,10 @@ import os
 import pytest
 import torch
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _launched_env
 from test_fabric_strategy_setup_again_teardown_and_prewarmed import _fabric, _flat, _model_and_optimizer, _train
+from test_lightning_launch import register, shared_launch
 
 TOL = 1e-5
 
@@ -163,14 +164,20 @@ def test_fabric_strategy_sharded_state_note_is_read_only_and_pickles():
         note[torch.zeros(1)]
 
 
+def _jobs(tmp_path_factory):
+    """The file's multi-rank checks, in the launch shared with the other Lightning and Fabric
+    files (test_lightning_launch.py)."""
+    # (both tests read the one scenario: it runs once, for whichever of them was selected)
+    return {("test_fabric_strategy_a_ddp_fabric_after_it_trains_without_teardown",
+             "test_fabric_strategy_kept_optimizer_state_reads_the_moments_by_parameter"): {
+                "second Fabric": (_second_fabric_worker, ())},
+            "test_fabric_strategy_zero_checkpoints_resume_under_fabrics_ddp_and_back": {
+                "checkpoints": (_checkpoint_worker, (str(tmp_path_factory.mktemp("fabric_checkpoints")),))}}
+
+
+register(_jobs, seconds=300)
+
+
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
-    """The file's multi-rank checks in one launch of 2 ranks (shared_rank_launch.py)."""
-    # (both tests read the one scenario: it runs once, for whichever of them was selected)
-    selected = {getattr(item, "originalname", item.name) for item in request.session.items}
-    tests = [t for t in ("test_fabric_strategy_a_ddp_fabric_after_it_trains_without_teardown",
-                         "test_fabric_strategy_kept_optimizer_state_reads_the_moments_by_parameter") if t in selected]
-    jobs = {tests[0]: {"second Fabric": (_second_fabric_worker, ())}} if tests else {}
-    jobs["test_fabric_strategy_zero_checkpoints_resume_under_fabrics_ddp_and_back"] = {
-        "checkpoints": (_checkpoint_worker, (str(tmp_path_factory.mktemp("fabric_checkpoints")),))}
-    return launch_for_selected(request, jobs, 2, timeout=300)
+    return shared_launch(request, tmp_path_factory)

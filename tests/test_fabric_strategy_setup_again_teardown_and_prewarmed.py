@@ -23,8 +23,9 @@ import pytest
 import torch
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _launched_env
+from test_lightning_launch import register, shared_launch
 
 TOL = 1e-5
 
@@ -218,13 +219,21 @@ def test_fabric_strategy_refuses_a_state_its_replacement_cannot_take():
     assert optimizer.state[param]["exp_avg"].shape == (5,) and "step" not in optimizer.__dict__
 
 
-@pytest.fixture(scope="module")
-def launched(request):
-    """The file's multi-rank checks in one launch of 2 ranks (shared_rank_launch.py)."""
+def _jobs(tmp_path_factory):
+    """The file's multi-rank checks, in the launch shared with the other Lightning and Fabric
+    files (test_lightning_launch.py)."""
     jobs = {"test_fabric_strategy_setup_again_steps_one_state_through_either_returned_optimizer": {
                 "set up again": (_setup_again_worker, ())},
             "test_fabric_strategy_teardown_leaves_model_and_optimizer_as_fabrics_ddp": {
                 "teardown": (_teardown_worker, ())},
             "test_fabric_strategy_takes_the_state_of_an_optimizer_that_stepped_before_setup": {
                 "prewarmed": (_prewarmed_worker, ())}}
-    return launch_for_selected(request, jobs, 2, timeout=300)
+    return jobs
+
+
+register(_jobs, seconds=300)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)

@@ -24,8 +24,9 @@ import pytest
 import torch
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _launched_env
+from test_lightning_launch import register, shared_launch
 
 TOL = 1e-5
 
@@ -123,12 +124,20 @@ def test_setup_optimizers_refuses_several_zero_optimizers_for_one_module_by_name
     results_of(launched, "separate setup")
 
 
-@pytest.fixture(scope="module")
-def launched(request):
-    """Both tests' cases in one launch of 2 ranks (each sets up its own Fabrics and models)."""
-    return launch_for_selected(request, {
+def _jobs(tmp_path_factory):
+    """Both tests' cases (each sets up its own Fabrics and models), in the launch shared with
+    the other Lightning and Fabric files (test_lightning_launch.py)."""
+    return {
         "test_gan_loop_with_two_zero_optimizers_trains_as_fabrics_ddp": {
             f"gan {stage}": (_gan_loop, (stage,)) for stage in GAN_STAGES},
         "test_setup_optimizers_refuses_several_zero_optimizers_for_one_module_by_name": {
             "separate setup": (_separate_setup_refusal, ())},
-    }, 2, timeout=300)
+    }
+
+
+register(_jobs, seconds=300)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)

@@ -4,8 +4,9 @@ loop (composite LR schedulers, several optimizers, unused branches, weight avera
 predict, mid-epoch resumes), each against Lightning's own ``strategy="ddp"`` run.
 
 Ranks are processes of :func:`fusedist.testing.run_distributed` with the torchelastic
-variables set (test_e2e_lightning_recipe.py): every Trainer of this file runs in ONE spawn
-(the ``launched`` fixture), since starting ranks that import Lightning costs more than a fit.
+variables set (test_e2e_lightning_recipe.py): every Trainer of this file runs in the launch
+shared with the other Lightning and Fabric files (test_lightning_launch.py), since starting
+ranks that import Lightning costs more than a fit.
 
 Tolerances, by dtype. fp32: fused kernels and the bucketed all-reduce against torch's foreach
 ops and all-reduce are the same operations in another order, an ulp or two per step on values
@@ -26,8 +27,9 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _data, _flat, _launched_env
+from test_lightning_launch import register, shared_launch
 
 TOL = {"32-true": 1e-5, "bf16-mixed": 1e-3, "16-mixed": 1e-3}
 
@@ -214,17 +216,19 @@ def _names_worker(rank, world):
     return {name: _fit(name) for name in ("ddp", "fusedist", "fusedist_zero2")}
 
 
-def _all_worker(rank, world, root):
-    """The three workers' runs in one spawn, each as it ran in a spawn of its own."""
-    return {"names": _names_worker(rank, world), "schedules": _schedules_worker(rank, world),
-            "recipes": _recipes_worker(rank, world, root)}
+def _jobs(tmp_path_factory):
+    """The three workers' runs, each as it ran in a spawn of its own."""
+    return {"test_strategy_by_name_and_lr_monitor_keys_match_ddp": {"names": (_names_worker, ())},
+            "test_learning_rates_reach_the_swapped_optimizer": {"schedules": (_schedules_worker, ())},
+            "test_recipes_match_ddp": {"recipes": (_recipes_worker, (str(tmp_path_factory.mktemp("drop_in")),))}}
+
+
+register(_jobs, seconds=720)  # 100-240 s on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """Per rank, {worker: its results}. 720 s: 100-240 s on a loaded 2-core machine (the three
-    spawns it replaces had 660 s together)."""
-    return run_distributed(_all_worker, 2, str(tmp_path_factory.mktemp("drop_in")), timeout=720)
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)
 
 
 def test_strategy_by_name_and_lr_monitor_keys_match_ddp(launched):
@@ -233,7 +237,7 @@ def test_strategy_by_name_and_lr_monitor_keys_match_ddp(launched):
     momentum and weight decay) and not ``lr-FusedAdamW/pg1`` or
     ``lr-ZeroRedundancyOptimizer/pg1`` for the optimizer the strategy swapped in (Note [the
     optimizer's name]), and the validation metrics logged with ``sync_dist=True``."""
-    for rank, runs in enumerate(r["names"] for r in launched):
+    for rank, runs in enumerate(results_of(launched, "names")):
         ref = runs["ddp"]
         assert "lr-AdamW/pg1" in ref["rows"][0][1] and any("val_loss" in r for _, r in ref["rows"]), ref["rows"][:2]
         for name, stage, implementation in (("fusedist", 0, "FusedAdamW"),
@@ -317,7 +321,7 @@ def test_learning_rates_reach_the_swapped_optimizer(launched):
     their parts and the module held the returned optimizer, whose param groups the strategy
     had copied, so the optimizer that steps kept its first learning rate (Note [the returned
     optimizer])."""
-    for rank, runs in enumerate(r["schedules"] for r in launched):
+    for rank, runs in enumerate(results_of(launched, "schedules")):
         for name, (ours, ref) in runs.items():
             lrs = {row["lr-AdamW/pg1"] for _, row in ref["rows"] if "lr-AdamW/pg1" in row}
             assert len(lrs) > 3, (name, lrs)  # the schedule moves
@@ -385,7 +389,7 @@ def test_recipes_match_ddp(launched):
     optimizers is refused by the strategy, naming the setting, instead of by ZeRO advising to
     freeze the other optimizer's parameters; a parameter without a gradient is reported with
     the strategy's setting to change (fusedist DDP's message named its own keyword alone)."""
-    results = [dict(r["recipes"]) for r in launched]  # popped below: a copy
+    results = [dict(r) for r in results_of(launched, "recipes")]  # popped below: a copy
     backbone = [runs.pop("BackboneFinetuning") for runs in results]
     torch.manual_seed(0)
     initial = _module_class()({"backbone": True})

@@ -10,12 +10,14 @@ same math in another order, 1e-5 in fp32 and 1e-3 under fp16 autocast (norms of 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _data, _launched_env
 from test_lightning_drop_in import _memory_logger
+from test_lightning_launch import register, shared_launch
 
 TOL = {"32-true": 1e-5, "16-mixed": 1e-3}
 
@@ -96,11 +98,25 @@ def _worker(rank, world):
     return out
 
 
-def test_grad_norm_logging_matches_ddp():
+def _jobs(tmp_path_factory):
+    """The grad-norm runs, in the launch shared with the other Lightning and Fabric files
+    (test_lightning_launch.py)."""
+    return {"test_grad_norm_logging_matches_ddp": {"grad norms": (_worker, ())}}
+
+
+register(_jobs, seconds=300)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)
+
+
+def test_grad_norm_logging_matches_ddp(launched):
     """Every step logs the keys and values Lightning's DDP run logs: per-parameter global norms
     and their total, the same on every rank. (A branch no rank used in a step gets no new
     norm: Lightning's row then repeats its last value, and the total leaves it out.)"""
-    results = run_distributed(_worker, 2, timeout=300)
+    results = results_of(launched, "grad norms")
     for rank, runs in enumerate(results):
         for name, (ours, ref) in runs.items():
             tol = TOL[ref["precision"]]

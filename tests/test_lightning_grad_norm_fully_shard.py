@@ -24,12 +24,14 @@ from __future__ import annotations
 import random
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _launched_env
 from test_lightning_drop_in import _memory_logger
+from test_lightning_launch import register, shared_launch
 
 WORLD = 2
 TOL = {"32-true": 1e-5, "16-mixed": 1e-3}
@@ -167,11 +169,28 @@ def _compare(ours: list, ref: list, tol: float, what: str, subset: bool = False)
                 f"{what}: {key} at step {step}: {mine[key]} vs {value}"
 
 
-def test_grad_norm_of_fully_shard_pieces_matches_fsdp2_and_ddp():
+SEED = random.randrange(2**20)  # fresh each run
+
+
+def _jobs(tmp_path_factory):
+    """The three sides' runs, in the launch shared with the other Lightning and Fabric files
+    (test_lightning_launch.py)."""
+    return {"test_grad_norm_of_fully_shard_pieces_matches_fsdp2_and_ddp": {"grad norms": (_worker, (SEED,))}}
+
+
+register(_jobs, seconds=600)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)
+
+
+def test_grad_norm_of_fully_shard_pieces_matches_fsdp2_and_ddp(launched):
     """Every step logs the keys and values of FSDP2's per-parameter global norms (and of DDP's
     on the unsharded module), the same on every rank."""
-    seed = random.randrange(2**20)
-    results = run_distributed(_worker, WORLD, seed, timeout=600)
+    seed = SEED
+    results = results_of(launched, "grad norms")
     for rank, cases in enumerate(results):
         for name, runs in cases.items():
             tol = TOL[CASES[name]["precision"]]

@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _data, _flat, _launched_env
+from test_lightning_launch import register, shared_launch
 
 
 def _fit(strategy, module, precision="32-true", max_epochs=1):
@@ -129,17 +130,25 @@ def _buffers_worker(rank, world, seed):
     return out
 
 
-@pytest.fixture(scope="module")
-def launched(request):
-    """Both tests' workers in one launch of 2 ranks (shared_rank_launch.py), on one fresh
-    random seed; 300 s: the launches it replaces had 180 s each."""
-    seed = int(torch.randint(0, 2**31 - 1, ()))
-    jobs = {"test_every_manual_backward_of_a_step_synchronizes": {"two backwards": (_two_backwards_worker, (seed,))},
+SEED = int(torch.randint(0, 2**31 - 1, ()))  # fresh each run, one for the three workers
+
+
+def _jobs(tmp_path_factory):
+    """The three tests' workers, on one fresh random seed, in the launch shared with the other
+    Lightning and Fabric files (test_lightning_launch.py)."""
+    return {"test_every_manual_backward_of_a_step_synchronizes": {"two backwards": (_two_backwards_worker, (SEED,))},
             "test_a_group_added_through_the_returned_optimizer_is_added_by_the_swapped_one": {
-                "added group": (_added_group_worker, (seed,))},
+                "added group": (_added_group_worker, (SEED,))},
             "test_manual_optimization_broadcasts_buffers_at_every_forward_as_torch_ddp": {
-                "buffers": (_buffers_worker, (seed,))}}
-    return dict(launch_for_selected(request, jobs, 2, timeout=300), seed=seed)
+                "buffers": (_buffers_worker, (SEED,))}}
+
+
+register(_jobs, seconds=300)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return dict(shared_launch(request, tmp_path_factory), seed=SEED)
 
 
 def test_every_manual_backward_of_a_step_synchronizes(launched):

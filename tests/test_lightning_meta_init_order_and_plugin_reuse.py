@@ -26,8 +26,9 @@ import pytest
 import torch
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _launched_env
+from test_lightning_launch import register, shared_launch
 
 WORLD = 2
 
@@ -252,19 +253,30 @@ def test_init_parameters_in_modules_order_equals_the_unsharded_loop(launched):
         assert all(err == 0 for err in errors.values()), f"seed {seed}, rank {rank}: {errors}"
 
 
-@pytest.fixture(scope="module")
-def launched(request):
-    """The selected tests' cases in one launch of the ranks, each on a fresh random seed (each
-    builds its own Trainers, plugins and models)."""
-    seeds = {name: random.randrange(2**20) for name in ("materialization", "plugin reuse", "modules order")}
-    port = random.randrange(20000, 60000)
-    return {"seeds": seeds, **launch_for_selected(request, {
+# fresh each run
+SEEDS = {name: random.randrange(2**20) for name in ("materialization", "plugin reuse", "modules order")}
+PORT = random.randrange(20000, 60000)
+
+
+def _jobs(tmp_path_factory):
+    """The selected tests' cases, each on a fresh random seed (each builds its own Trainers,
+    plugins and models), in the launch shared with the other Lightning and Fabric files
+    (test_lightning_launch.py)."""
+    return {
         "test_meta_device_build_is_materialized_in_lightnings_order": {
-            "materialization": (_materialization_order_worker, (seeds["materialization"], port))},
+            "materialization": (_materialization_order_worker, (SEEDS["materialization"], PORT))},
         "test_a_plugin_given_to_two_trainers_keeps_its_scale_as_under_ddp": {
-            "plugin reuse": (_plugin_reuse_worker, (seeds["plugin reuse"], port))},
+            "plugin reuse": (_plugin_reuse_worker, (SEEDS["plugin reuse"], PORT))},
         "test_a_plugin_subclass_records_in_the_users_object_as_under_ddp": {
-            "counting plugin": (_counting_plugin_worker, (port,))},
+            "counting plugin": (_counting_plugin_worker, (PORT,))},
         "test_init_parameters_in_modules_order_equals_the_unsharded_loop": {
-            "modules order": (_modules_order_worker, (seeds["modules order"],))},
-    }, WORLD, timeout=360)}
+            "modules order": (_modules_order_worker, (SEEDS["modules order"],))},
+    }
+
+
+register(_jobs, seconds=360)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return {"seeds": SEEDS, **shared_launch(request, tmp_path_factory)}

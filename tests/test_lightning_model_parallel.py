@@ -27,11 +27,14 @@ import os
 import random
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _launched_env
+from test_lightning_launch import register, shared_launch
 
 WORLD = 2
 
@@ -144,9 +147,27 @@ def _worker(rank: int, world: int, seed: int, root: str):
     return {name: (float((ours - ref).abs().max()), tol) for name, (ours, ref, tol) in out.items()}
 
 
-def test_fully_shard_under_model_parallel_strategy_matches_fsdp2(tmp_path):
-    seed = random.randrange(2**20)
-    results = run_distributed(_worker, WORLD, seed, str(tmp_path), timeout=600)
+SEED = random.randrange(2**20)  # fresh each run
+
+
+def _jobs(tmp_path_factory):
+    """The fully_shard runs (2 ranks), in the launch shared with the other Lightning and Fabric
+    files (test_lightning_launch.py); the tensor-parallel test needs 4 ranks: a launch of its own."""
+    return {"test_fully_shard_under_model_parallel_strategy_matches_fsdp2": {
+        "fully_shard": (_worker, (SEED, str(tmp_path_factory.mktemp("model_parallel"))))}}
+
+
+register(_jobs, seconds=600)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)
+
+
+def test_fully_shard_under_model_parallel_strategy_matches_fsdp2(launched):
+    seed = SEED
+    results = results_of(launched, "fully_shard")
     failures = [f"rank {rank}: {name}: max |fusedist - torch| = {err:.3g} > {tol:g}"
                 for rank, cases in enumerate(results) for name, (err, tol) in cases.items() if not err <= tol]
     assert not failures, f"seed {seed}:\n" + "\n".join(failures)

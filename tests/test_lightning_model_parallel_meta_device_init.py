@@ -21,8 +21,9 @@ import warnings
 import pytest
 import torch
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _launched_env
+from test_lightning_launch import register, shared_launch
 from test_lightning_model_parallel import _data, _module_class
 
 WORLD = 2
@@ -79,14 +80,22 @@ def _check(results, seed):
     assert not failures, f"seed {seed}:\n" + "\n".join(failures)
 
 
+SEEDS = [random.randrange(2**20) for _ in range(2)]  # fresh each run
+
+
+def _jobs(tmp_path_factory):
+    """Both tests' workers, each on a fresh random seed, in the launch shared with the other
+    Lightning and Fabric files (test_lightning_launch.py)."""
+    return {"test_meta_device_build_initializes_as_the_unsharded_module": {"dp": (_worker, (SEEDS[0], WORLD, 1))},
+            "test_meta_device_build_with_tensor_parallelism": {"tp": (_worker, (SEEDS[1], 1, WORLD))}}
+
+
+register(_jobs, seconds=450)
+
+
 @pytest.fixture(scope="module")
-def launched(request):
-    """Both tests' workers in one launch of 2 ranks (shared_rank_launch.py), each on a fresh
-    random seed; 450 s: the launches it replaces had 300 s each."""
-    seeds = [random.randrange(2**20) for _ in range(2)]
-    jobs = {"test_meta_device_build_initializes_as_the_unsharded_module": {"dp": (_worker, (seeds[0], WORLD, 1))},
-            "test_meta_device_build_with_tensor_parallelism": {"tp": (_worker, (seeds[1], 1, WORLD))}}
-    return dict(launch_for_selected(request, jobs, WORLD, timeout=450), seeds=seeds)
+def launched(request, tmp_path_factory):
+    return dict(shared_launch(request, tmp_path_factory), seeds=SEEDS)
 
 
 def test_meta_device_build_initializes_as_the_unsharded_module(launched):

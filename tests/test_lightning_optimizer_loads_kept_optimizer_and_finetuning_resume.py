@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import IN, OUT, _data, _flat, _launched_env
+from test_lightning_launch import register, shared_launch
 
 
 def _saved_state(params) -> dict:
@@ -180,17 +181,24 @@ def test_learning_rates_set_through_the_kept_optimizer_reach_it_after_a_resume(l
         assert lrs == [1e-2 * min(1.0, (step + 1) / 6) for step in (2, 3, 4)], (rank, lrs)
 
 
-@pytest.fixture(scope="module")
-def launched(request, tmp_path_factory):
-    """The two 2-rank tests' workers in one launch (shared_rank_launch.py); 200 s: the
-    launches it replaces had 120 s each."""
+def _jobs(tmp_path_factory):
+    """The three 2-rank tests' workers, in the launch shared with the other Lightning and Fabric
+    files (test_lightning_launch.py)."""
     path = str(tmp_path_factory.mktemp("kept") / "step2.ckpt")
     jobs = {"test_a_state_loaded_by_the_module_reaches_the_optimizer_that_steps": {"loading": (_loading_worker, ())},
             "test_a_scheduler_the_module_keeps_warns_and_schedules_as_under_ddp": {
                 "kept scheduler": (_kept_scheduler_worker, ())},
             "test_learning_rates_set_through_the_kept_optimizer_reach_it_after_a_resume": {
                 "resume": (_resume_worker, (path,))}}
-    return launch_for_selected(request, jobs, 2, timeout=200)
+    return jobs
+
+
+register(_jobs, seconds=200)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)
 
 
 def _finetuning_worker(rank: int, world: int, path: str) -> dict:

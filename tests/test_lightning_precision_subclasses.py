@@ -17,8 +17,9 @@ import os
 import pytest
 import torch
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _data, _flat, _launched_env
+from test_lightning_launch import register, shared_launch
 from test_lightning_teardown_adagrad_and_lbfgs import _module
 
 TOL = 1e-3
@@ -64,8 +65,23 @@ def _worker(rank, world, tmp):
     return ref, ours
 
 
-def test_a_subclass_of_mixed_precision_trains_as_under_lightnings_ddp(tmp_path):
-    for rank, (ref, ours) in enumerate(run_distributed(_worker, 2, str(tmp_path), timeout=180)):
+def _jobs(tmp_path_factory):
+    """The subclass's runs, in the launch shared with the other Lightning and Fabric files
+    (test_lightning_launch.py)."""
+    return {"test_a_subclass_of_mixed_precision_trains_as_under_lightnings_ddp": {
+        "subclass": (_worker, (str(tmp_path_factory.mktemp("precision_subclass")),))}}
+
+
+register(_jobs, seconds=180)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)
+
+
+def test_a_subclass_of_mixed_precision_trains_as_under_lightnings_ddp(launched):
+    for rank, (ref, ours) in enumerate(results_of(launched, "subclass")):
         diff = (ours["weights"] - ref["weights"]).abs().max().item()
         assert diff <= TOL, f"rank {rank}: weights differ by {diff}"
         counts = (ours["steps"], ref["steps"], ours["global_step"], ref["global_step"])

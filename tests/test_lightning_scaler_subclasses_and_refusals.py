@@ -23,8 +23,9 @@ import random
 import pytest
 import torch
 
-from fusedist.testing import run_distributed
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _data, _flat, _launched_env
+from test_lightning_launch import register, shared_launch
 from test_lightning_teardown_adagrad_and_lbfgs import _module
 
 TOL = 1e-3
@@ -75,8 +76,23 @@ def _scaler_subclass_worker(rank, world, tmp):
     return {side: _fit(side, os.path.join(tmp, f"{side}.ckpt")) for side in ("ddp", "fusedist", "fusedist_zero2")}
 
 
-def test_a_subclass_of_torchs_grad_scaler_keeps_its_overrides_as_under_ddp(tmp_path):
-    for rank, out in enumerate(run_distributed(_scaler_subclass_worker, 2, str(tmp_path), timeout=180)):
+def _jobs(tmp_path_factory):
+    """The scaler subclass's runs, in the launch shared with the other Lightning and Fabric files
+    (test_lightning_launch.py)."""
+    return {"test_a_subclass_of_torchs_grad_scaler_keeps_its_overrides_as_under_ddp": {
+        "scaler subclass": (_scaler_subclass_worker, (str(tmp_path_factory.mktemp("scaler_subclass")),))}}
+
+
+register(_jobs, seconds=180)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)
+
+
+def test_a_subclass_of_torchs_grad_scaler_keeps_its_overrides_as_under_ddp(launched):
+    for rank, out in enumerate(results_of(launched, "scaler subclass")):
         ref = out["ddp"]
         # growth_interval=2: without the cap the scale keeps a value for at most 2 updates
         assert max(ref["history"]) == CAP and ref["history"].count(CAP) > 2, ref["history"]

@@ -22,8 +22,9 @@ import pytest
 import torch
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _data, _flat, _launched_env
+from test_lightning_launch import register, shared_launch
 
 TOL = 1e-5
 
@@ -135,13 +136,20 @@ def test_a_module_after_fit_trains_as_after_lightnings_ddp(launched):
             assert diff <= TOL, f"{name}, rank {rank}: differs by {diff}"
 
 
-@pytest.fixture(scope="module")
-def launched(request):
-    """The two multi-rank tests' workers in one launch of 2 ranks (shared_rank_launch.py);
-    300 s: the launches it replaces had 120 s and 180 s."""
+def _jobs(tmp_path_factory):
+    """The two multi-rank tests' workers, in the launch shared with the other Lightning and
+    Fabric files (test_lightning_launch.py)."""
     jobs = {"test_adagrad_is_sharded_as_ddp_trains_it": {"adagrad": (_adagrad_worker, ())},
             "test_a_module_after_fit_trains_as_after_lightnings_ddp": {"after fit": (_after_fit_worker, ())}}
-    return launch_for_selected(request, jobs, 2, timeout=300)
+    return jobs
+
+
+register(_jobs, seconds=300)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)
 
 
 def test_lbfgs_under_fp16_mixed_is_refused_as_lightning_refuses_it():

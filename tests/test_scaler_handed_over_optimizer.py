@@ -23,7 +23,8 @@ import torch
 from fusedist.amp import GradScaler
 from fusedist.integrations._optimizer_swap import convert_optimizer, hand_over
 from fusedist.optim import FusedAdamW
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
+from test_lightning_launch import register, shared_launch
 
 SHAPES = [(5,), (3, 4)]
 OVERFLOW_AT = 1
@@ -244,9 +245,18 @@ _BY_TEST = {
 }
 
 
+def _jobs(tmp_path_factory):
+    """The scenarios, in the launch shared with the Lightning and Fabric files
+    (test_lightning_launch.py): the wrapper cases import Lightning in the ranks."""
+    return _BY_TEST
+
+
+register(_jobs, seconds=120)
+
+
 @pytest.fixture(scope="module")
-def launched(request):
-    return launch_for_selected(request, _BY_TEST, 2, timeout=120)
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)
 
 
 def test_zero2_behind_a_handed_over_optimizer_matches_torch(launched):

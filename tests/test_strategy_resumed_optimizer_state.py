@@ -24,8 +24,9 @@ import pytest
 import torch
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import results_of
 from test_e2e_lightning_recipe import _launched_env
+from test_lightning_launch import register, shared_launch
 
 TOL = 1e-5
 STEPS = 3
@@ -232,9 +233,9 @@ def test_lightning_optimizer_with_loaded_differentiable_group_fits_resumes_as_li
     results_of(launched, "lightning differentiable")
 
 
-@pytest.fixture(scope="module")
-def launched(request, tmp_path_factory):
-    """This file's selected scenarios in one launch of 2 ranks (shared_rank_launch.py)."""
+def _jobs(tmp_path_factory):
+    """This file's selected scenarios, in the launch shared with the other Lightning and Fabric
+    files (test_lightning_launch.py)."""
     root = str(tmp_path_factory.mktemp("resumed"))
     jobs = {"test_lightning_optimizer_returned_on_a_second_fit_keeps_its_state_as_lightnings_ddp": {
                 f"given again ZeRO {stage}": (_optimizer_given_again, (stage,)) for stage in (0, 2)},
@@ -246,4 +247,12 @@ def launched(request, tmp_path_factory):
                 for flag, stage in (("differentiable", 0), ("capturable", 2))},
             "test_lightning_optimizer_with_loaded_differentiable_group_fits_resumes_as_lightnings_ddp": {
                 "lightning differentiable": (_lightning_loaded_flag, (root,))}}
-    return launch_for_selected(request, jobs, world=2, timeout=600)
+    return jobs
+
+
+register(_jobs, seconds=600)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return shared_launch(request, tmp_path_factory)

@@ -59,11 +59,16 @@ Note [a shape inference that fails on one rank]
     waits is known from the stages' placement: the ranks process their stages in ascending
     order (backward inference in descending order), so after stage ``k`` fails a rank holding a
     stage at or after ``k`` waits at its first such stage for the stage before it, and any other
-    rank (in a step with backward) waits at its last stage for the one after it; after a failure
-    in the backward inference at stage ``k`` every rank holding a stage before ``k`` waits at its
-    last such stage. Each rank waits for one message, from one rank. A rank all of whose stages
-    are before ``k`` in a forward-only step (or after it, failing backward) does not wait in the
-    inference: it waits in the step, and that step counts as one that raised, on every rank.
+    rank waits at its last stage for the one after it; after a failure in the backward inference
+    at stage ``k`` every rank holding a stage before ``k`` waits at its last such stage. Each rank
+    waits for one message, from one rank. A forward-only (``eval``) set-up has no backward
+    inference to wait in: a rank all of whose stages were before ``k`` went on into the step and
+    waited there, on activations sent to a rank that had raised, until the group's timeout. So an
+    eval set-up ends with an acknowledgement from the end of the pipeline back: each rank, at its
+    last stage, waits for one (a small object message) from the rank of the stage after it, which
+    sends it once its own inference (and acknowledgement) succeeded -- or the failure notice in its
+    place. (A rank all of whose stages are after ``k``, failing backward, still waits in the step,
+    which counts as one that raised, on every rank.)
 
 Note [a first send that cannot be made]
     With shapes given to the stages (``input_args``/``output_args`` on every stage: torch's
@@ -89,6 +94,16 @@ Note [a first send that cannot be made]
     gradients: it is told in place of micro-batch 0's gradient (Note [a first send that cannot be
     made, told upstream] in _pipeline_notice_back.py).
 
+Note [a loss without a target]
+    A schedule built with a ``loss_fn`` calls it on the last stage's output of each micro-batch and
+    that micro-batch's target, in ``eval`` steps too (the losses are returned through ``losses=``).
+    ``eval(x)`` on the last stage's rank without ``target=`` raised torch's ``TypeError: 'NoneType' object
+    is not subscriptable`` from the schedule's own code (told to every rank: Note [a failure told at the
+    step's end] in _pipeline_step_status.py), which names neither the cause nor the fix. The last stage
+    checks that a schedule with a ``loss_fn`` got a target (read from the schedule's frame that runs the
+    step) in its shape inference and at its forward of micro-batch 0, and raises there, naming both; every
+    rank learns of it at once (Note [a shape inference that fails on one rank], or at the step's end).
+
 Note [examples that need no gradient]
     torch's stage given its shapes (``input_args`` and ``output_args``: no shape inference) takes
     from each example whether a gradient crosses the stage boundary for that tensor: an
@@ -111,6 +126,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import sys
 
 import torch
 import torch.distributed as dist
@@ -173,7 +189,10 @@ class PeerInferenceFailed(Exception):
 
 
 def check_stage_outputs(stage, outputs) -> None:
-    """Refuse a stage module's output a pipeline cannot send, naming the stage and the type."""
+    """Refuse a stage module's output a pipeline cannot send, naming the stage and the type (and, on
+    the last stage, a step without the target its loss needs: Note [a loss without a target])."""
+    if stage.is_last:
+        check_target_given(stage)
     sequence = isinstance(outputs, (tuple, list))
     for i, value in enumerate(outputs if sequence else (outputs,)):
         if isinstance(value, torch.Tensor):
@@ -184,6 +203,32 @@ def check_stage_outputs(stage, outputs) -> None:
             f"fusedist.pipelining.PipelineStage: stage {stage.stage_index}'s module returned {what}, not a tensor: "
             "pipeline stages pass tensors only (a tensor, or a tuple or list of tensors) to the next stage. Return "
             "tensors; pass other values as keyword arguments of schedule.step(...)")
+
+
+def check_target_given(stage) -> None:
+    """Refuse a step without ``target=`` of a schedule with a ``loss_fn`` (Note [a loss without a target]),
+    from the last stage's shape inference or its forward of micro-batch 0, where the failure reaches
+    every rank."""
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    frame = sys._getframe(1)
+    for _ in range(32):  # up to the schedule's frame that holds the step's micro-batch targets
+        frame = frame.f_back
+        if frame is None:
+            return
+        schedule = frame.f_locals.get("self")
+        if isinstance(schedule, _PipelineSchedule) and "target_mbs" in frame.f_locals:
+            break
+    else:
+        return
+    if frame.f_locals["target_mbs"] is not None or getattr(schedule, "_loss_fn", None) is None:
+        return
+    call = "step" if getattr(schedule, "_has_backward", False) else "eval"
+    raise RuntimeError(
+        f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (the last, rank {stage.group_rank} of the "
+        f"pipeline's group): schedule.{call}(...) was given no target, but the schedule was built with a loss_fn, "
+        f"which the last stage calls on each micro-batch's output and target. Pass target= to schedule.{call} on "
+        "the last stage's rank, or (to run forward only, without losses) build the schedule without loss_fn")
 
 
 def check_sent_outputs(stage, chunk: int, outputs) -> None:
@@ -253,7 +298,10 @@ def notice_send_ops(stage, chunk: int) -> list:
 
 
 def read_notice(stage, chunk: int) -> None:
-    """Raise the failure a previous stage's rank sent in place of micro-batch 0's activations."""
+    """Raise the failure a previous stage's rank sent in place of micro-batch 0's activations (or, on the
+    last stage, a step without the target its loss needs)."""
+    if chunk == 0 and stage.is_last:  # (the first hook of the last stage's step: Note [a loss without a target])
+        check_target_given(stage)
     buffer = getattr(stage, "_notice_buffer", None) if chunk == 0 else None
     if buffer is None or not getattr(stage, "_notice_from", False):
         return
@@ -318,7 +366,7 @@ def notify_waiting_ranks(stage, notice: InferenceFailed) -> bool:
     for s, r in placement.items():
         by_rank.setdefault(r, []).append(s)
     everyone = all(any(s >= k for s in stages) if not notice.backward else any(s <= k for s in stages)
-                   for stages in by_rank.values()) or (notice.has_backward and not notice.backward)
+                   for stages in by_rank.values()) or not notice.backward
     for r, stages in sorted(by_rank.items()):
         if r == me:
             continue
@@ -329,7 +377,7 @@ def notify_waiting_ranks(stage, notice: InferenceFailed) -> bool:
                 stage._send_meta(notice, first)
             continue
         earlier = [s for s in stages if s < k]
-        if earlier and (notice.backward or notice.has_backward):  # waiting at its last stage before k
+        if earlier:  # waiting at its last stage before k (an eval set-up: for the acknowledgement)
             last = max(earlier)
             if placement.get(last + 1) == me:
                 stage._send_meta(notice, last)
@@ -342,7 +390,10 @@ def failing_inference(stage, run, backward: bool, has_backward: bool, told=None)
     ``told()`` runs when every rank of the pipeline learns of the failure, none left in a step."""
     stage._fusedist_meta_sent = False
     try:
-        return run()
+        result = run()
+        if not backward and not has_backward:  # an eval set-up
+            acknowledge_inference(stage)
+        return result
     except PeerInferenceFailed as e:
         if _tell(stage, e.notice) and told is not None:
             told()
@@ -357,6 +408,34 @@ def failing_inference(stage, run, backward: bool, has_backward: bool, told=None)
         if _tell(stage, notice) and told is not None:
             told()
         raise RuntimeError(notice.message) from e
+
+
+_INFERRED = "fusedist.pipelining: shapes inferred"
+
+
+def acknowledge_inference(stage) -> None:
+    """At a rank's last stage of an eval set-up: wait for the next rank's acknowledgement that the
+    inference succeeded from there on (a failure notice is raised, as PeerInferenceFailed), then
+    acknowledge to each rank whose last stage sends to this rank (Note [a shape inference that
+    fails on one rank])."""
+    placement = getattr(stage, "stage_index_to_group_rank", None) or {}
+    me = stage.group_rank
+    by_rank: dict = {}
+    for s, r in placement.items():
+        by_rank.setdefault(r, []).append(s)
+    if stage.stage_index != max(by_rank.get(me, [stage.stage_index])):
+        return
+    following = stage.stage_index + 1
+    if placement.get(following, me) != me:
+        received = stage._recv_meta(following)
+        if received != _INFERRED:
+            raise RuntimeError(
+                f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {me} of the pipeline's group) "
+                f"received {type(received).__name__} from stage {following} in place of the acknowledgement that "
+                "the eval set-up's shape inference succeeded: the ranks run different schedules or set-ups")
+    for r, stages in sorted(by_rank.items()):
+        if r != me and placement.get(max(stages) + 1) == me:
+            stage._send_meta(_INFERRED, max(stages))
 
 
 def _tell(stage, notice: InferenceFailed) -> bool:

@@ -37,8 +37,9 @@ Note [a failure told at the step's end]
     stages per rank (interleaved, looped, V, zero-bubble schedules): completing a rank's messages there has
     to follow the schedule's interleaving of its stages' messages to each peer, so a failure still reaches
     the other ranks at the group's timeout (or, at micro-batch 0, through the forward notice). A failure in
-    the step's own communication, or outside the stage's forward, loss and backward (the schedule's code,
-    the shape inference of an ``eval`` set-up), is not covered.
+    the step's own communication, or outside the stage's forward, loss and backward (the schedule's own
+    code), is not covered; a shape inference that fails in a set-up, ``eval`` included, is told by the
+    set-up itself (Note [a shape inference that fails on one rank] in _pipeline_inference.py).
 """
 
 from __future__ import annotations

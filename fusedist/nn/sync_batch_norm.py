@@ -172,6 +172,28 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         # a pickle does not carry]).
         self._channels_checked: set[tuple[int, int]] = set()
         outside_group.remember(self)  # Note [a rank outside the layer's group]
+        self._watch_group()
+
+    # Note [the stall monitor from construction]
+    #     The monitor of the layer's communicator was attached at the first training forward. A rank
+    #     that went another way before it -- its model in eval() where the others train, a branch that
+    #     skipped the layer -- and waits in a collective of the same communicator had none: it
+    #     published nothing, so the others, waiting in the statistics gather, could not tell it from a
+    #     slow rank and waited out the collective timeout (Note [divergence probe] in
+    #     fusedist/reliability/divergence.py). A layer on CPU over a gloo group now attaches it when it
+    #     is built (converted layers too): making the communicator issues no collective. Not on other
+    #     devices or backends: the forward's device is unknown yet, and a CUDA communicator is not made
+    #     before its first use (there the first training forward attaches it, as before).
+    def _watch_group(self) -> None:
+        try:
+            if not self._synchronizes() or "gloo" not in str(dist.get_backend(self.process_group)):
+                return
+            held = next(iter(self.parameters()), None)
+            held = held if held is not None else next(iter(self.buffers()), None)
+            if held is None or held.device.type == "cpu":
+                attach_monitor(get_communicator(self.process_group, "cpu"))
+        except Exception:  # noqa: BLE001 - a layer is never refused for its monitor: the forward attaches it
+            pass
 
     # Note [copies share the process group]
     #     ``copy.deepcopy`` of a model -- an EMA or SWA copy (torch.optim.swa_utils.AveragedModel,

@@ -21,7 +21,21 @@ with a ``StallError`` and its usual report on every rank, about a second past th
 of at the timeout, and the communicator refuses further collectives. Ranks at the same collective
 are only slow: the probe keeps waiting, as it does while some peer is not blocked (it may be
 computing). Tags are not compared: collectives that must pair may carry different tags (a joined
-rank's shadows, fusedist/ddp/join.py).
+rank's shadows, fusedist/ddp/join.py); labels are, where they pair the messages (below).
+
+Note [exchange labels in the divergence probe]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The gloo exchange matches the messages of an all-gather, reduce-scatter, gather and all-to-all by
+a hash of the caller's label (its tag unless the caller chose another: Note [exchange tags] in
+fusedist/comm/exchange_tags.py). Ranks at one sequence number, op and part size whose labels differ
+-- a rank that skipped one of two alike units, whose next all-gather took the skipped one's number --
+can never pair, yet compared equal and waited out the timeout. Each rank now publishes its label
+(``waiting_on["label"]``, recorded at the launch by the monitor), and different labels are a
+verdict. Only there: an all-reduce's and a broadcast's messages are matched by size, op and source,
+not by the tag, and gloo's own collectives and NCCL's by order alone, so collectives of different
+tags pair there and no label is published; where a rank's entry has none (another transport, a
+collective launched more than HISTORY collectives ago), labels are not compared. A failure entry
+carries the label and part too (monitor.py), so a peer still probing reads the same comparison.
 
 The wait is sliced in fusedist/comm/sliced_wait.py. Costs: none for a wait that ends before the
 delay (one comparison; a DDP step measured the same with the probe on and off); past it, a store
@@ -63,11 +77,13 @@ class WaitProbe:
     #: How long the wait goes on between two checks.
     every_s = PROBE_EVERY_S
 
-    def __init__(self, monitor, op: str, tag: str, seq: int, delay_s: float, part=None):
+    def __init__(self, monitor, op: str, tag: str, seq: int, delay_s: float, part=None, label=None):
         self.monitor, self.delay_s = monitor, delay_s
         self.waiting_on = {"op": op, "tag": tag, "seq": seq}
         if part is not None:  # (what must match across ranks: each rank's part of the collective)
             self.waiting_on["part"] = f"{part.numel()} x {part.dtype}"
+        if label is not None:  # (Note [exchange labels in the divergence probe]: only where it pairs the messages)
+            self.waiting_on["label"] = label
         self._reports_before = len(monitor.reports)
         self._published: Optional[str] = None  # the kind of the entry this wait wrote
         self._evidence = None  # what the last read found, to be found again
@@ -145,15 +161,22 @@ def diverged(entries: dict) -> Optional[str]:
         tags = {r: entries[r]["waiting_on"].get("tag") for r in sorted(entries)}
         return (f"ranks {checking} wait in check_consistency()'s collective, ranks {outside} in a collective "
                 f"outside it (tags {tags}): a check pairs only with the others' check")
+    # Note [exchange labels in the divergence probe]: compared only where every rank published one.
+    labelled = all("label" in entry["waiting_on"] for entry in entries.values())
     at: dict = {}
     for rank, entry in sorted(entries.items()):
         w = entry["waiting_on"]
-        at.setdefault((w["seq"], w["op"], w.get("part")), []).append(rank)
+        at.setdefault((w["seq"], w["op"], w.get("part"), w["label"] if labelled else None), []).append(rank)
     if len(at) > 1:
         groups = sorted(at.items(), key=lambda item: item[1])  # (by their first rank)
-        where = "; ".join(f"ranks {ranks} in {op} (collective #{seq}{f', {part} per rank' if part else ''})"
-                          for (seq, op, part), ranks in groups)
-        what = ("the same collective with parts of different sizes" if len({key[:2] for key in at}) == 1
-                else "different collectives")
+        named = len({key[3] for key in at}) > 1  # (labels named only where they differ)
+        where = "; ".join(f"ranks {ranks} in {op}{f' {label!r}' if named else ''} (collective "
+                          f"#{seq}{f', {part} per rank' if part else ''})" for (seq, op, part, label), ranks in groups)
+        if len({key[:3] for key in at}) == 1:
+            what = "the same collective under different labels (whose messages never pair)"
+        elif len({key[:2] for key in at}) == 1:
+            what = "the same collective with parts of different sizes"
+        else:
+            what = "different collectives"
         return f"they wait in {what} -- {where}"
     return None

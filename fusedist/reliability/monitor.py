@@ -19,6 +19,7 @@ import weakref
 from typing import Callable, Optional
 
 from ..comm.base import CollectiveError, CommHandle, Communicator, global_ranks
+from ..comm.exchange_progress import ExchangeWork
 from .._process_hooks import at_exit, chain_excepthook
 from . import stall_report
 from .config import divergence_probe_s
@@ -26,6 +27,10 @@ from .divergence import WaitProbe
 
 #: Collectives remembered per communicator for the report.
 HISTORY = 16
+
+#: The exchange collectives whose messages are matched by the caller's label (its tag unless it chose
+#: another): an all-reduce's and a broadcast's are by size, op and source alone (Note [exchange tags]).
+_LABELLED_OPS = frozenset(("all_gather", "reduce_scatter", "gather", "all_to_all"))
 
 #: How long a crashed rank stays after the survivors published their entries: they render and
 #: print their reports right after (Note [a crashed peer, seen through the store]).
@@ -78,7 +83,10 @@ class CollectiveMonitor:
     # ---- observer interface (see Communicator._launch / CommHandle.wait)
     def on_launch(self, comm: Communicator, handle: CommHandle) -> None:
         self.history.append((handle.seq, handle.op, handle.tag, self.step_hint))
-        self.launch_times[handle.seq % HISTORY] = (handle.seq, time.monotonic())
+        # Note [exchange labels in the divergence probe] in divergence.py: the label, only where it pairs the messages.
+        label = comm.last_label if handle.op in _LABELLED_OPS and isinstance(handle._work, ExchangeWork) \
+            and comm.last_seq == handle.seq else None
+        self.launch_times[handle.seq % HISTORY] = (handle.seq, time.monotonic(), label)
 
     def on_failure(self, comm: Communicator, handle: CommHandle, error: BaseException) -> BaseException:
         """Publish this rank's state (its first failure only: Note [one entry per rank]), gather the others',
@@ -98,7 +106,7 @@ class CollectiveMonitor:
         else:
             report = stall_report.exchange(
                 store, self.group_name, self.generation, comm.rank, comm.world_size,
-                self._failure_entry(comm, error, op, tag, seq),
+                self._failure_entry(comm, error, op, tag, seq, None if named else handle.part),
                 stall_report.report_window_s(comm.timeout.total_seconds(), stall_report.peer_gone(error)),
                 global_ranks(comm),
             )
@@ -110,8 +118,11 @@ class CollectiveMonitor:
             op=op, tag=tag, rank=comm.rank, seq=seq,
         )
 
-    def _failure_entry(self, comm: Communicator, error: BaseException, op: str, tag: str, seq: int) -> dict:
-        """This rank's entry for its first failure: the backend's reason, and the collective it waited on."""
+    def _failure_entry(self, comm: Communicator, error: BaseException, op: str, tag: str, seq: int,
+                       part=None) -> dict:
+        """This rank's entry for its first failure: the backend's reason, and the collective it waited on --
+        with its part and label, as a probe's entry had them (Note [divergence probe] in divergence.py: a peer
+        still probing compares them with its own)."""
         started = self.launched_at(seq)
         # The entry keeps only the backend's reason; op/tag/seq are in "waiting_on".
         reason = str(error).split(f" of {comm.world_size}: ", 1)[-1]
@@ -122,7 +133,18 @@ class CollectiveMonitor:
             "seq": seq,
             "age_s": (time.monotonic() - started) if started is not None else None,
         }
+        if part is not None:
+            entry["waiting_on"]["part"] = f"{part.numel()} x {part.dtype}"
+        label = self.label_of(seq)
+        if label is not None:
+            entry["waiting_on"]["label"] = label
         return entry
+
+    def label_of(self, seq: int) -> Optional[str]:
+        """The label collective ``seq``'s messages are matched by, where they are (Note [exchange labels in the
+        divergence probe] in divergence.py); None elsewhere, or once HISTORY later collectives took its slot."""
+        launched = self.launch_times.get(seq % HISTORY)
+        return launched[2] if launched is not None and launched[0] == seq else None
 
     def launched_at(self, seq: int) -> Optional[float]:
         """When collective ``seq`` was launched (``time.monotonic()``); None once HISTORY later
@@ -194,7 +216,7 @@ class CollectiveMonitor:
     def divergence_probe(self, op: str, tag: str, seq: int, part=None) -> WaitProbe:
         """The probe of a wait that has blocked for ``probe_delay_s`` (Note [divergence probe] in
         divergence.py); ``part``: this rank's tensor of the collective, or None."""
-        return WaitProbe(self, op, tag, seq, self.probe_delay_s, part)
+        return WaitProbe(self, op, tag, seq, self.probe_delay_s, part, self.label_of(seq))
 
     def crashed_peer(self) -> Optional[str]:
         """Which peer published a crash (Note [a crashed peer, seen through the store] in

@@ -212,8 +212,21 @@ class FusedOptimizerBase(ScalerProtocol, LoadedStateMixin, Optimizer):
                 # Laid out like the parameter (as torch's optimizers make them), so a dense
                 # parameter in any memory format steps on the kernels' flat path.
                 state[key] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.preserve_format)
-        if "master_param" not in state and p.dtype in _HALF and group.get("master_weights", False):
+        if not group.get("master_weights", False):
+            state.pop("master_param", None)  # Note [a loaded master in a group without masters]
+        elif "master_param" not in state and p.dtype in _HALF:
             state["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format, copy=True)
+
+    # Note [a loaded master in a group without masters]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A state may carry a ``master_param`` its group does not ask for: a checkpoint of a run with
+    # masters whose groups are saved without ``master_weights=True`` (a ZeRO or "bf16-true" state
+    # in torch's format), a group's setting changed before the load. The kernels step whatever
+    # master a state holds, so such a group trained on FP32 masters, not on its 16-bit parameters
+    # as configured and as torch's optimizer on those parameters does. The group's setting wins:
+    # the master is dropped when the state is made ready (the first step after a load), and the
+    # step updates the parameter itself; the next state dict has no master. (The reverse, a
+    # masters group loading a state without one, makes it from the parameter, above.)
 
     # -- torch.optim.Optimizer API ------------------------------------------------------------
 
@@ -353,6 +366,18 @@ class FusedOptimizerBase(ScalerProtocol, LoadedStateMixin, Optimizer):
     # one that does not round to the parameter is replaced by it, as when the checkpoint has
     # no master at all (``_init_state``) -- the parameter the program holds wins, as in Note
     # [masters and writes from outside]. One comparison per master, once per load.
+    # The rule is the kernels' rounding (to nearest, ties to even), not a distance, and it has a
+    # limit no rule on the values can pass: a master that rounds to its parameter is kept even
+    # where it is stale -- an optimizer state older than the weights loaded with it, from a run
+    # that trained on after the save (torch's optimizer on the bf16 weights, an fp32 or
+    # bf16-mixed run) by updates too small to change the 16-bit values. The parameter then holds
+    # the very bits the master was written to, and nothing in the state says which run or step
+    # wrote them; replacing every master by its parameter instead would break the normal resume,
+    # dropping the bits below the 16-bit weights that masters exist to keep. Such a master is at
+    # most half an ulp from the parameter (one ulp from that run's fp32 weights), and as old as
+    # the moments and step counts loaded with it. A program that loads an older optimizer state
+    # with newer weights and wants masters made from the weights removes ``master_param`` from
+    # the state it loads.
     def _take_outside_writes(self, params: list, states: list) -> None:
         pending = self._masters_to_check
         if pending:
@@ -404,8 +429,9 @@ class FusedOptimizerBase(ScalerProtocol, LoadedStateMixin, Optimizer):
     def master_params(self) -> Iterable[torch.Tensor]:
         """The FP32 weights the optimizer steps: the master copy where one exists."""
         for group in self.param_groups:
+            masters = group.get("master_weights", False)  # (Note [a loaded master in a group without masters])
             for p in group["params"]:
-                yield self.state[p].get("master_param", p) if p in self.state else p
+                yield self.state[p].get("master_param", p) if masters and p in self.state else p
 
 
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))

@@ -11,6 +11,7 @@ timeout).
 
 from __future__ import annotations
 
+import os
 import traceback
 
 from fusedist.testing import run_distributed
@@ -53,6 +54,26 @@ def with_fresh_compiler(by_test: dict) -> dict:
     the form :func:`launch_for_selected` takes."""
     return {test: {name: (fresh_compiler, (fn, *args)) for name, (fn, *args) in scenarios.items()}
             for test, scenarios in by_test.items()}
+
+
+def under_env(rank: int, world: int, env: dict, fn, *args):
+    """``fn(rank, world, *args)`` with ``env`` in this rank's environment (a value of None: unset),
+    restored after: scenarios of one launch that were written for other settings (timeouts read at
+    each collective, check periods read when a model is wrapped) each see their own."""
+    saved = {name: os.environ.get(name) for name in env}
+    try:
+        _set_env(env)
+        return fn(rank, world, *args)
+    finally:
+        _set_env(saved)
+
+
+def _set_env(env: dict) -> None:
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def results_of(launched: dict, scenario: str) -> list:

@@ -18,7 +18,7 @@ import models
 from conftest import requires_rank_slots
 from fault_scripts.train_fault import RaiseInBackward
 from fusedist.testing import device_for_rank, run_distributed
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import launch_for_selected, results_of, under_env
 
 FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "3"}
 
@@ -428,26 +428,12 @@ def test_consistent_irregular_training_is_not_flagged(launched):
 
 # ---------------------------------------------------------------- the shared launch
 def _under(rank, world_size, env, fn, *args):
-    """``fn(rank, world_size, *args)`` with ``env`` in this rank's environment (None: unset), restored
-    after (the timeouts are read at each collective); a dict result gets its wall time as ``elapsed``."""
-    saved = {name: os.environ.get(name) for name in env}
+    """``under_env`` with a dict result given its wall time as ``elapsed``."""
     start = time.monotonic()
-    try:
-        _set_env(env)
-        result = fn(rank, world_size, *args)
-    finally:
-        _set_env(saved)
+    result = under_env(rank, world_size, env, fn, *args)
     if isinstance(result, dict):
         result["elapsed"] = time.monotonic() - start
     return result
-
-
-def _set_env(env):
-    for name, value in env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,13 @@ touched the group), the interrupted rank last (its crash entry stays in the grou
 """
 
 import gc
-import os
 import sys
 
 import pytest
 import torch
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import launch_for_selected, results_of, under_env
 
 FAST_FAILURE = {"FUSEDIST_TIMEOUT_S": "5", "FUSEDIST_STALL_REPORT_S": "1"}
 
@@ -109,27 +108,12 @@ def test_step_guard_follows_rewrapped_modules_and_several_models(launched):
 
 
 # ---------------------------------------------------------------- the shared launch
-def _under(rank, world_size, env, fn, *args):
-    """``fn(rank, world_size, *args)`` with ``env`` added to this rank's environment (read at each
-    collective), restored after."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        return fn(rank, world_size, *args)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 @pytest.fixture(scope="module")
 def launched(request):
     return launch_for_selected(request, {
         "test_step_guard_follows_rewrapped_modules_and_several_models": {
             "models, torch": (_models_worker, ("torch",)),
-            "models, fusedist": (_under, (FAST_FAILURE, _models_worker, "fusedist"))},
+            "models, fusedist": (under_env, (FAST_FAILURE, _models_worker, "fusedist"))},
         "test_an_interrupted_rank_is_reported_as_interrupted_not_as_exited": {
-            "interrupted": (_under, (FAST_FAILURE, _interrupted_worker))},
+            "interrupted": (under_env, (FAST_FAILURE, _interrupted_worker))},
     }, 2, timeout=150)

@@ -14,30 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import launch_for_selected, results_of, under_env
 
 # A short collective timeout: without the checks, the sparse case below ends in a stall.
 ENV = {"FUSEDIST_PARAM_CHECK_EVERY": "2", "FUSEDIST_TIMEOUT_S": "5"}
-
-
-def _under(rank, world_size, env, fn, *args):
-    """``fn(rank, world_size, *args)`` with ``env`` in this rank's environment (None: unset),
-    restored after: the check period is read when a model is wrapped, the timeout at each
-    collective, so each scenario sees the settings it was written for."""
-    saved = {name: os.environ.get(name) for name in env}
-    try:
-        _set_env(env)
-        return fn(rank, world_size, *args)
-    finally:
-        _set_env(saved)
-
-
-def _set_env(env):
-    for name, value in env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 def _net():
@@ -388,15 +368,15 @@ def test_grad_changed_after_reduce_is_named_on_both_ranks(launched, optimizer):
 _EVERY_1 = {"FUSEDIST_PARAM_CHECK_EVERY": "1"}
 SCENARIOS = {
     "test_replicated_parameters_that_differ_are_found_and_named": {
-        "parameters": (_under, (ENV, _parameters_worker))},
+        "parameters": (under_env, (ENV, _parameters_worker))},
     "test_sparse_weight_frozen_on_one_rank_is_named_on_every_rank": {
-        "sparse": (_under, (ENV, _sparse_worker))},
+        "sparse": (under_env, (ENV, _sparse_worker))},
     "test_parameter_check_names_current_path_after_renumbering": {
-        "renumbering": (_under, ({**_EVERY_1, "FUSEDIST_TIMEOUT_S": "5"}, _renumbering_worker))},
+        "renumbering": (under_env, ({**_EVERY_1, "FUSEDIST_TIMEOUT_S": "5"}, _renumbering_worker))},
     "test_swapped_or_sign_flipped_weight_on_one_rank_is_named_on_every_rank": {
-        "swap": (_under, ({**_EVERY_1, "FUSEDIST_TIMEOUT_S": "10"}, _swap_worker))},
+        "swap": (under_env, ({**_EVERY_1, "FUSEDIST_TIMEOUT_S": "10"}, _swap_worker))},
     "test_grad_changed_after_reduce_is_named_on_both_ranks": {
-        f"after reduce, {optimizer}": (_under, (_EVERY_1, _edit_after_reduce, optimizer))
+        f"after reduce, {optimizer}": (under_env, (_EVERY_1, _edit_after_reduce, optimizer))
         for optimizer in ("torch", "fused")},
 }
 

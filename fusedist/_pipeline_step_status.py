@@ -28,18 +28,18 @@ Note [a failure told at the step's end]
     refused. A stage module no one reduces gets its gradients back as the step found them (the zeros were
     backpropagated too); a ``fully_shard`` or DDP stage keeps the sums it reduced, as after any step that
     raised. Every message of the failed step is matched, so the process group stays usable.
-    The cost on a step that does not fail: one all-reduce of one integer per step and rank, read on the
-    host (on an accelerator: the host waits for the step's work before the step returns; on gloo, two CPU
-    ranks, ~0.25 ms a step); ``FUSEDIST_CHECKS=0`` (on every rank) turns it off, and such a failure then
-    reaches the other ranks at the group's timeout. Armed for the schedules with one stage per rank that end their steps in
-    ``perform_reduce_grad`` (``ScheduleGPipe``, ``Schedule1F1B`` and their subclasses) over a group whose
+    The cost on a step that does not fail: one all-reduce of one integer per step and rank, read on the host
+    (on an accelerator: the host waits for the step's work before the step returns; on gloo, two CPU ranks,
+    ~0.25 ms a step); ``FUSEDIST_CHECKS=0`` (on every rank) turns it off, and such a failure then reaches the
+    other ranks at the group's timeout. Armed for the schedules with one stage per rank that end their steps
+    in ``perform_reduce_grad`` (``ScheduleGPipe``, ``Schedule1F1B`` and their subclasses) over a group whose
     every rank holds a stage, driven by the schedule's ``step``/``eval`` (not by hand). Not armed with several
-    stages per rank (interleaved, looped, V, zero-bubble schedules): completing a rank's messages there has
-    to follow the schedule's interleaving of its stages' messages to each peer, so a failure still reaches
-    the other ranks at the group's timeout (or, at micro-batch 0, through the forward notice). A failure in
-    the step's own communication, or outside the stage's forward, loss and backward (the schedule's own
-    code), is not covered; a shape inference that fails in a set-up, ``eval`` included, is told by the
-    set-up itself (Note [a shape inference that fails on one rank] in _pipeline_inference.py).
+    stages per rank (interleaved, looped, V, zero-bubble schedules): completing a rank's messages there has to
+    follow the schedule's interleaving of its stages' messages to each peer, so a failure still reaches the
+    other ranks at the group's timeout (or, at micro-batch 0, through the forward notice). A failure in the
+    step's own communication, or outside the stage's forward, loss and backward (the schedule's own code), is
+    not covered; a shape inference that fails in a set-up, ``eval`` included, is told by the set-up itself
+    (Note [a shape inference that fails on one rank] in _pipeline_inference.py).
 """
 
 from __future__ import annotations

@@ -219,6 +219,9 @@ def _drain_at_exit() -> None:
             comm.settle_at_exit(min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
         _drain(comm)
     release_destroyed_groups(collect=False)
+    from .watched_wait import stop_watcher
+
+    stop_watcher()  # (its thread sleeps until a wait is due: nothing is left for it to probe)
 
 
 # Note [one decision on every rank]

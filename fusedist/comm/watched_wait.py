@@ -61,6 +61,18 @@ class _Watcher:
         with self._cond:
             self._due.pop(key, None)
 
+    def stop(self, wait_s: float = 1.0) -> None:
+        """End the thread (at interpreter exit: Note [draining at exit] in __init__.py), waiting up to
+        ``wait_s`` for a probe it is running; a later ``watch`` starts a new one."""
+        if self._pid != os.getpid():
+            return  # (a fork child never started the parent's thread)
+        with self._cond:
+            thread, self._thread = self._thread, None
+            self._due, self._next = {}, float("inf")
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)
+
     def _loop(self) -> None:
         # Only the due time is held while sleeping: a step holds its wait's communicator, and through it the
         # process group, which must be freed when the program destroys it (Note [releasing destroyed groups]
@@ -68,6 +80,8 @@ class _Watcher:
         while True:
             with self._cond:
                 while True:
+                    if self._thread is not threading.current_thread():
+                        return  # (stopped: ``stop``)
                     now = time.monotonic()
                     self._next = due = min((d for d, _ in self._due.values()), default=float("inf"))
                     if due <= now:
@@ -89,6 +103,11 @@ class _Watcher:
 
 
 _WATCHER = _Watcher()
+
+
+def stop_watcher() -> None:
+    """End the watcher thread, if one runs (at interpreter exit)."""
+    _WATCHER.stop()
 
 
 class WatchedWait:

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from .checks import _overlaps
 from .closed_connections import ClosedConnections, PeerClosedConnection, explained
 from .exchange_fold import ChunkFold, LandingPool, unrecorded
-from .exchange_progress import ExchangeWork, ProgressThread
+from .exchange_progress import ExchangeWork, ProgressThread, _where
 from .exchange_tags import message_tag
 
 ENV_VAR = "FUSEDIST_GLOO_COLLECTIVES"
@@ -132,10 +132,6 @@ def _offsets(counts: list[int]) -> list[int]:
     for c in counts[:-1]:
         at.append(at[-1] + c)
     return at
-
-
-def _where(peer: int, global_peer: int) -> str:
-    return f"rank {peer}" + (f" (global rank {global_peer})" if global_peer != peer else "")
 
 
 def _as_real(t: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,18 @@ PROBE_EVERY_S = 0.25
 _STUCK = ("waiting", "checking", "failure")
 
 
+def waiting_on(op: str, tag: str, seq: int, part=None, label=None) -> dict:
+    """The collective a rank's entry says it waits on, as :func:`diverged` compares it: with its part
+    (what must match across ranks: this rank's tensor of the collective) and its label (Note
+    [exchange labels in the divergence probe]: only where it pairs the messages), where known."""
+    entry = {"op": op, "tag": tag, "seq": seq}
+    if part is not None:
+        entry["part"] = f"{part.numel()} x {part.dtype}"
+    if label is not None:
+        entry["label"] = label
+    return entry
+
+
 class WaitProbe:
     """One blocking wait's probe (Note [divergence probe]): :meth:`check` after each slice of the
     wait, :meth:`close` when the wait ends either way."""
@@ -79,11 +91,7 @@ class WaitProbe:
 
     def __init__(self, monitor, op: str, tag: str, seq: int, delay_s: float, part=None, label=None):
         self.monitor, self.delay_s = monitor, delay_s
-        self.waiting_on = {"op": op, "tag": tag, "seq": seq}
-        if part is not None:  # (what must match across ranks: each rank's part of the collective)
-            self.waiting_on["part"] = f"{part.numel()} x {part.dtype}"
-        if label is not None:  # (Note [exchange labels in the divergence probe]: only where it pairs the messages)
-            self.waiting_on["label"] = label
+        self.waiting_on = waiting_on(op, tag, seq, part, label)
         self._reports_before = len(monitor.reports)
         self._published: Optional[str] = None  # the kind of the entry this wait wrote
         self._evidence = None  # what the last read found, to be found again

@@ -23,7 +23,7 @@ from ..comm.exchange_progress import ExchangeWork
 from .._process_hooks import at_exit, chain_excepthook
 from . import stall_report
 from .config import divergence_probe_s
-from .divergence import WaitProbe
+from .divergence import WaitProbe, waiting_on
 
 #: Collectives remembered per communicator for the report.
 HISTORY = 16
@@ -127,17 +127,8 @@ class CollectiveMonitor:
         # The entry keeps only the backend's reason; op/tag/seq are in "waiting_on".
         reason = str(error).split(f" of {comm.world_size}: ", 1)[-1]
         entry = self._entry(kind="failure", error=_short(RuntimeError(reason)).split(": ", 1)[-1])
-        entry["waiting_on"] = {
-            "op": op,
-            "tag": tag,
-            "seq": seq,
-            "age_s": (time.monotonic() - started) if started is not None else None,
-        }
-        if part is not None:
-            entry["waiting_on"]["part"] = f"{part.numel()} x {part.dtype}"
-        label = self.label_of(seq)
-        if label is not None:
-            entry["waiting_on"]["label"] = label
+        entry["waiting_on"] = dict(waiting_on(op, tag, seq, part, self.label_of(seq)),
+                                   age_s=(time.monotonic() - started) if started is not None else None)
         return entry
 
     def label_of(self, seq: int) -> Optional[str]:

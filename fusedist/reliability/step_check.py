@@ -362,15 +362,13 @@ def render_bounds(reduced: list[int], values: list[int], rank: int, detail: dict
         with what the reduction tells, and the failure (with its stall report) is attached.
     """
     k = len(FIELDS)
-    high_low = [reduced[i] != -reduced[k + i] for i in range(k)]  # (which fields differ)
-    if reduced[0] != -reduced[k]:
-        high_low[FIELDS.index("params")] = False  # (digests of different steps: a consequence, not a cause)
     step = values[0] if values[0] != JOINED else reduced[0]
     what = detail.get("subject", "DDP")
     when = ("found by check_consistency()" if detail.get("checked_now") else
             f"in synchronized backward #{step}, whose {detail.get('reduced', 'buckets')} "
             f"0..{detail.get('buckets', 0) - 1} were reduced across ranks that were at different points")
     lines = [f"fusedist {what}: ranks diverged (detected on every rank that took part; this is rank {rank}) {when}:"]
+    differing = []  # (the fields reported: digests of different steps are a consequence, not a cause)
     for i, field in enumerate(FIELDS):
         high, low = reduced[i], -reduced[k + i]
         if high == low:
@@ -379,7 +377,9 @@ def render_bounds(reduced: list[int], values: list[int], rank: int, detail: dict
         if field == "params":  # a digest: its range says nothing (nor when the steps differ)
             if reduced[0] == -reduced[k]:
                 lines.append(f"  {field}: the ranks' digests differ -- {explain}")
+                differing.append(field)
             continue
+        differing.append(field)
         if field == "replicas":  # a flag (Note [replica check]): its range says nothing
             lines.append(f"  {field}: {explain}")
             continue
@@ -394,7 +394,7 @@ def render_bounds(reduced: list[int], values: list[int], rank: int, detail: dict
         )
         if report:
             lines.append(report)
-    lines.append(_advice([f for i, f in enumerate(FIELDS) if high_low[i]], detail))
+    lines.append(_advice(differing, detail))
     return "\n".join(lines)
 
 

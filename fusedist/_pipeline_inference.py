@@ -317,14 +317,20 @@ def notice_failure(buffer: torch.Tensor):
     return bytes(data[1:].tolist()).rstrip(b"\0").decode("utf-8", "replace") if int(data[0]) == _FAILED else None
 
 
+def failure_message(stage, chunk: int, error: Exception, where: str = "") -> str:
+    """The message every rank raises: the stage, its rank, the micro-batch (``where``: "'s loss", "'s
+    backward") and the exception that began it; a stage's own refusal, which names them, as it is."""
+    text = str(error)
+    if text.startswith("fusedist.pipelining.PipelineStage: "):
+        return text
+    return (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {stage.group_rank} of the "
+            f"pipeline's group) failed at micro-batch {chunk}{where}: {_root_cause(error)}")
+
+
 def send_failure(stage, chunk: int, error: Exception) -> str:
     """After the stage's forward of micro-batch 0 raised: tell the next stage's rank (the message and
     zeros of the shapes it receives into) when its receive waits on this send; the message."""
-    message = str(error)
-    if isinstance(error, PeerFailedFirstSend) or not message.startswith("fusedist.pipelining.PipelineStage: "):
-        message = message if isinstance(error, PeerFailedFirstSend) else (
-            f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {stage.group_rank} of the "
-            f"pipeline's group) failed at micro-batch {chunk}: {_root_cause(error)}")
+    message = str(error) if isinstance(error, PeerFailedFirstSend) else failure_message(stage, chunk, error)
     if chunk != 0 or not getattr(stage, "_notice_to", False):
         return message
     stage._notice_to = False
@@ -356,15 +362,21 @@ def _notice(stage, status: int, message: str) -> torch.Tensor:
     return data.to(stage.device)
 
 
+def _stages_by_rank(placement: dict) -> dict:
+    """Each rank of the pipeline's group -> the indices of the stages it holds."""
+    by_rank: dict = {}
+    for s, r in placement.items():
+        by_rank.setdefault(r, []).append(s)
+    return by_rank
+
+
 def notify_waiting_ranks(stage, notice: InferenceFailed) -> bool:
     """Send ``notice`` to each rank waiting on this rank's metadata after the failure it tells
     of (Note [a shape inference that fails on one rank]); whether every rank of the pipeline
     learns of it (none has gone on into the step)."""
     placement = stage.stage_index_to_group_rank
     me, k = stage.group_rank, notice.origin
-    by_rank: dict = {}
-    for s, r in placement.items():
-        by_rank.setdefault(r, []).append(s)
+    by_rank = _stages_by_rank(placement)
     everyone = all(any(s >= k for s in stages) if not notice.backward else any(s <= k for s in stages)
                    for stages in by_rank.values()) or not notice.backward
     for r, stages in sorted(by_rank.items()):
@@ -420,9 +432,7 @@ def acknowledge_inference(stage) -> None:
     fails on one rank])."""
     placement = getattr(stage, "stage_index_to_group_rank", None) or {}
     me = stage.group_rank
-    by_rank: dict = {}
-    for s, r in placement.items():
-        by_rank.setdefault(r, []).append(s)
+    by_rank = _stages_by_rank(placement)
     if stage.stage_index != max(by_rank.get(me, [stage.stage_index])):
         return
     following = stage.stage_index + 1

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ._pipeline_inference import (
-    _FAILED, _SENT, NOTICE_BYTES, NOTICE_WAIT_S, _notice, _root_cause, notice_failure)
+    _FAILED, _SENT, NOTICE_BYTES, NOTICE_WAIT_S, _notice, failure_message, notice_failure)
 
 
 class PeerFailedFirstSendAfter(Exception):
@@ -119,13 +119,12 @@ def guard_first_loss(schedule) -> None:
             return original(stage, output, target_mbs, mb_index, *args, **kwargs)
         except Exception as e:
             if mb_index != 0 or not getattr(stage, "_back_notice_to", False):
-                from ._pipeline_step_status import fail_step, fails_here, failure_message
+                from ._pipeline_step_status import fail_step, fails_here
 
                 if not fails_here(stage):  # Note [a failure told at the step's end] (_pipeline_step_status.py)
                     raise
                 raise RuntimeError(fail_step(stage, failure_message(stage, mb_index, e, "'s loss"))) from e
-            message = (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {stage.group_rank} of the "
-                       f"pipeline's group) failed at micro-batch 0's loss: {_root_cause(e)}")
+            message = failure_message(stage, 0, e, "'s loss")
             tell_upstream(stage, 0, message, told=False)
             raise RuntimeError(message) from e
 

@@ -79,6 +79,12 @@ class Step:
         self.unset = [p for p in module.parameters() if p.grad is None]
 
 
+def last_schedule(stage):
+    """The schedule whose step the stage took part in last (held weakly), or None."""
+    stepping = getattr(stage, "_stepping", None)
+    return stepping() if stepping is not None else None
+
+
 def schedule_stepping(stage):
     """The schedule whose ``step`` is beginning, clearing ``stage`` (None when the stage is driven
     by hand): torch's schedules call ``clear_runtime_states`` from their ``step``. The walk passes

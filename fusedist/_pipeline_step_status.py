@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ._pipeline_inference import _FAILED, NOTICE_BYTES, NOTICE_WAIT_S, _notice, notice_failure, notice_send_ops
 from ._pipeline_notice_back import back_send_ops
-from ._pipeline_step_failures import put_back_gradients
+from ._pipeline_step_failures import last_schedule, put_back_gradients
 
 
 def status_armed(stage) -> bool:
@@ -63,8 +63,7 @@ def status_armed(stage) -> bool:
 
     if not checks_enabled():  # (FUSEDIST_CHECKS=0, set alike on every rank: no per-step exchange)
         return False
-    stepping = getattr(stage, "_stepping", None)
-    schedule = stepping() if stepping is not None else None
+    schedule = last_schedule(stage)
     if not isinstance(schedule, (ScheduleGPipe, Schedule1F1B)) or stage.group_size < 2:
         return False
     ranks = getattr(stage, "stage_index_to_group_rank", None) or {}
@@ -74,9 +73,7 @@ def status_armed(stage) -> bool:
 def micro_batches(stage) -> int:
     """The step's micro-batch count: the schedule's (``stage.chunks`` is set by training steps only; an eval
     step before any counted as ended at its first forward)."""
-    stepping = getattr(stage, "_stepping", None)
-    schedule = stepping() if stepping is not None else None
-    return int(getattr(schedule, "_n_microbatches", 0) or stage.chunks or 0)
+    return int(getattr(last_schedule(stage), "_n_microbatches", 0) or stage.chunks or 0)
 
 
 def began(stage, scheduled: bool) -> None:
@@ -186,15 +183,3 @@ def _zero_gradients(stage, chunk: int) -> list:
             zeros = torch.zeros(meta.shape, dtype=meta.dtype, device=stage.device)
             ops.append(dist.P2POp(dist.isend, zeros, stage._resolve_peer_global_rank(dst), stage.group))
     return ops
-
-
-def failure_message(stage, chunk: int, error: Exception, where: str = "") -> str:
-    """The message every rank raises: the stage, its rank, the micro-batch (``where``: "'s loss", "'s
-    backward") and the exception that began it; a stage's own refusal, which names them, as it is."""
-    from ._pipeline_inference import _root_cause
-
-    text = str(error)
-    if text.startswith("fusedist.pipelining.PipelineStage: "):
-        return text
-    return (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {stage.group_rank} of the "
-            f"pipeline's group) failed at micro-batch {chunk}{where}: {_root_cause(error)}")

@@ -140,15 +140,14 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from ._pipeline_inference import (
     InferenceFailed, PeerFailedFirstSend, PeerInferenceFailed, activations_carry_gradients, arm_first_sends,
-    check_even_split, check_sent_outputs, check_shapes, check_stage_outputs, failing_inference, next_on_another_rank,
-    notice_recv_ops, notice_send_ops, over_copied_buffers, read_notice, send_failure)
+    check_even_split, check_sent_outputs, check_shapes, check_stage_outputs, failing_inference, failure_message,
+    next_on_another_rank, notice_recv_ops, notice_send_ops, over_copied_buffers, read_notice, send_failure)
 from ._pipeline_notice_back import (
     PeerFailedFirstSendAfter, arm_back, back_recv_ops, back_send_ops, guard_first_loss, read_back_notice,
     tell_upstream)
 from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain_weight_pass, _weight_pass, _weights
-from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, schedule_stepping
-from ._pipeline_step_status import (
-    began, fail_step, fails_here, failure_message, micro_batches, status_armed, step_end_failure)
+from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, last_schedule, schedule_stepping
+from ._pipeline_step_status import began, fail_step, fails_here, micro_batches, status_armed, step_end_failure
 from ._pipeline_vote import backward_result, forward_vote
 from .fsdp.grad_view import ShardGrad
 
@@ -195,7 +194,7 @@ class PipelineStage(_TorchPipelineStage):
     def _told(self) -> None:
         """Every rank learned of the step's failed shape inference, before any of the step's own
         messages: the step left nothing unmatched (Note [a step that raised])."""
-        schedule = self._stepping() if getattr(self, "_stepping", None) is not None else None
+        schedule = last_schedule(self)
         for stage in [getattr(schedule, "_stage", None), *getattr(schedule, "_stages", ())]:
             if getattr(stage, "_step", None) is not None:
                 stage._step.ended = True

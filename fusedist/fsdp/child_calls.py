@@ -42,6 +42,7 @@ import weakref
 import torch
 
 from .containers import grad_tensors
+from .replaced_modules import user_class_name
 
 
 def guard_child_calls(unit, members: list) -> None:
@@ -137,7 +138,7 @@ def _paths(unit_path, members: list, module) -> tuple:
         name = names[k] if k < len(names) and names[k] not in (None, "?") else None
         if name is None:
             item = f", item {k} of the list" if len(members) > 1 else ""
-            cls = next(c.__name__ for c in type(m).__mro__ if not c.__name__.startswith("FullyShard"))
+            cls = user_class_name(m)
             return f"the {cls} given to fully_shard{item}, which holds it,", f"<{cls}{item}>.{sub}"
         member = f"'{name}' (the module given to fully_shard that holds it)" if name else "the root module"
         return member, (f"{name}.{sub}" if name else sub)

@@ -48,6 +48,8 @@ from typing import Optional
 
 import torch
 
+from .param_view import list_for_foreach
+
 __all__ = ["ShardGrad", "as_shard_grad", "note_reduced"]
 
 
@@ -162,18 +164,5 @@ class ShardGrad(torch.Tensor):
 
 def as_shard_grad(t: torch.Tensor) -> torch.Tensor:
     """``t`` (a slice of a reduced shard) as the gradient a piece stores: an alias of it."""
-    if not _FOREACH[0]:
-        _foreach_capable()
+    list_for_foreach(ShardGrad, optimizers=False)
     return t.as_subclass(ShardGrad)
-
-
-_FOREACH = [False]
-
-
-def _foreach_capable() -> None:
-    """torch's foreach paths take a ``ShardGrad`` as the plain tensor it is to the kernels."""
-    from torch.utils import _foreach_utils
-
-    if ShardGrad not in _foreach_utils._foreach_supported_types:
-        _foreach_utils._foreach_supported_types.append(ShardGrad)
-    _FOREACH[0] = True

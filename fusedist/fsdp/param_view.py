@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["ShardParam", "as_piece", "piece_view", "param_name", "is_fsdp2_shard", "local_getter"]
+__all__ = ["ShardParam", "as_piece", "list_for_foreach", "piece_view", "param_name", "is_fsdp2_shard", "local_getter"]
 
 
 def piece_view(p: torch.Tensor):
@@ -167,8 +167,7 @@ class ShardParam(nn.Parameter):
     to_local = property(_to_local)
 
     def __new__(cls, data=None, requires_grad: bool = True):
-        if not _FOREACH[0]:
-            _foreach_capable()
+        list_for_foreach(ShardParam, optimizers=True)
         return super().__new__(cls, data, requires_grad)
 
     def __repr__(self) -> str:
@@ -182,22 +181,26 @@ def as_piece(p: torch.Tensor) -> torch.Tensor:
     in place (same object, what the modules and an optimizer hold); any other tensor (an extension
     subclass, already a ``ShardParam``) is left as it is."""
     if type(p) is nn.Parameter:
-        if not _FOREACH[0]:
-            _foreach_capable()
+        list_for_foreach(ShardParam, optimizers=True)
         p.__class__ = ShardParam
     return p
 
 
-_FOREACH = [False]
+_LISTED: set = set()
 
 
-def _foreach_capable() -> None:
-    """torch's optimizers and clip take the foreach paths only for the types in their lists: a
-    ``ShardParam`` is a plain parameter to their kernels (as torch lists DTensor)."""
+def list_for_foreach(cls, optimizers: bool) -> None:
+    """Put ``cls``, a plain tensor to every kernel, on torch's foreach type lists, as torch lists
+    DTensor (they take the foreach paths only for the types listed): the clip's and, with
+    ``optimizers``, ``torch.optim``'s, whose foreach default reads the parameters' types. Once per
+    class (``ShardParam`` here, ``ShardGrad`` in grad_view.py)."""
+    if cls in _LISTED:
+        return
     from torch.optim import optimizer
     from torch.utils import _foreach_utils
 
-    for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
-        if ShardParam not in types:
-            types.append(ShardParam)
-    _FOREACH[0] = True
+    lists = (_foreach_utils._foreach_supported_types,) + ((optimizer._foreach_supported_types,) if optimizers else ())
+    for types in lists:
+        if cls not in types:
+            types.append(cls)
+    _LISTED.add(cls)

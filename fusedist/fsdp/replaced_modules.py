@@ -26,7 +26,7 @@ Note [a sharded submodule replaced]
 
 from __future__ import annotations
 
-__all__ = ["Spine", "Places", "check_replaced"]
+__all__ = ["Spine", "Places", "check_replaced", "user_class_name"]
 
 
 class Spine:
@@ -91,16 +91,16 @@ def check_replaced(places: Places, roots: list, states: list) -> None:
                 _refuse(path, old, now, m, unit)
 
 
-def _cls(m) -> str:
+def user_class_name(m) -> str:
     """The user's class of ``m`` (not the ``FullyShard...`` class fully_shard gave it)."""
     return next(c.__name__ for c in type(m).__mro__ if not c.__name__.startswith("FullyShard"))
 
 
 def _refuse(path: str, old, now, m, unit) -> None:
-    inside = "" if m is old else f" (its submodule {_cls(m)} among them)"
+    inside = "" if m is old else f" (its submodule {user_class_name(m)} among them)"
     raise RuntimeError(
-        f"fusedist.fully_shard: submodule '{path}' ({_cls(old)}) was replaced by a new "
-        f"{_cls(now)} after the model's first forward; it held parameters of unit {unit.label}{inside}, "
+        f"fusedist.fully_shard: submodule '{path}' ({user_class_name(old)}) was replaced by a new "
+        f"{user_class_name(now)} after the model's first forward; it held parameters of unit {unit.label}{inside}, "
         "sharded by fully_shard. The new module's parameters belong to no unit (each rank would train its own "
         "copy, their gradients never reduced) and the optimizer would step pieces no longer used. Put the old "
         "module back; to change values, load them into it (load_state_dict, fusedist.fsdp.load_full_state_dict); "

@@ -411,7 +411,6 @@ def _without_ddp_prefix(optim: dict, names: list) -> dict:
         saved += [n for g in optim["param_groups"] for n in g.get("params", []) if isinstance(n, str)]
     else:
         saved = [key.split(".", 1)[1].rpartition(".")[0] for key in optim if "." in key]
-    members = optim.get(_group_record.MEMBERS)
     if not _names.has_ddp_prefix(saved, set(names)):
         return optim
 
@@ -423,6 +422,7 @@ def _without_ddp_prefix(optim: dict, names: list) -> dict:
         return dict(optim, state={strip(k): v for k, v in optim["state"].items()},
                     param_groups=[dict(g, params=[strip(n) for n in g.get("params", [])])
                                   for g in optim["param_groups"]])
+    members = optim.get(_group_record.MEMBERS)
     out = {kind + "." + strip(rest): v for (kind, rest), v in ((k.split(".", 1), v) for k, v in optim.items()
                                                                if k != _group_record.MEMBERS)}
     if isinstance(members, (list, tuple)):

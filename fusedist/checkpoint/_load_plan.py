@@ -208,7 +208,7 @@ def _prepare_dcp(directory, model, optimizer, scaler, strict: bool = True, trust
 def prepare(directory, model, optimizer, scaler, trusted: bool = False, strict: bool = True) -> dict:
     """Read and check every file ``load`` needs and every tensor against ``model``, ``optimizer``
     and ``scaler``, without modifying them: the plan :func:`apply` carries out."""
-    if _which_checkpoint.reads_dcp(directory, _files.MANIFEST):
+    if _which_checkpoint.reads_dcp(directory):
         return _prepare_dcp(directory, model, optimizer, scaler, strict, trusted)
     manifest, digest = _files.read_manifest_and_digest(directory)
     files = manifest["files"]

@@ -324,7 +324,7 @@ def prepare(directory: str, model, optimizer, scaler, trusted: bool, strict: boo
     """The plan of a load into the parts of ``model`` (Note [pipelined checkpoints]): each
     part's :func:`_load_plan.prepare`-style plan, read and checked without modifying anything."""
     held = parts(model, optimizer)
-    if _which_checkpoint.reads_dcp(directory, _files.MANIFEST):
+    if _which_checkpoint.reads_dcp(directory):
         return _pipeline_dcp.prepare(directory, held, scaler, strict, trusted)
     manifest, digest = _files.read_manifest_and_digest(directory)
     stages, reader = _stages(manifest), _Reader(directory, manifest, trusted)

@@ -19,7 +19,7 @@ from ._complex import state_dtype_of
 from ._eager import STEP_REASON, eager_under_compile
 from .functional import _device_of, _dtype_of, _layout_of, _shape_of
 from ._hyperparameters import check_lr
-from ._loaded_state import LoadedStateMixin, step_device
+from ._loaded_state import LoadedStateMixin, same_setting, step_device
 from ._scaler_protocol import _LOOKED, ScalerProtocol, _grad_of, looked_up_once, without_none
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -92,10 +92,8 @@ class FusedOptimizerBase(ScalerProtocol, LoadedStateMixin, Optimizer):
         (integer; complex where the class does not take it; nothing is added then), and leaving
         out a fusedist-only setting given at its default (Note [param groups in torch's keys])."""
         super().add_param_group(param_group)
-        gi, own = len(self.param_groups) - 1, self._own_group_defaults
-        for key in [k for k, v in own.items() if _same_setting(self.defaults.get(k, v), v)]:
-            if key in self.param_groups[gi] and _same_setting(self.param_groups[gi][key], own[key]):
-                del self.param_groups[gi][key]
+        gi = len(self.param_groups) - 1
+        self._drop_own_keys_at_default(self.param_groups[gi:])
         for pi, p in enumerate(self.param_groups[gi]["params"]):
             refusal = _complex.dtype_refusal(p, self._takes_complex)
             if refusal:
@@ -421,7 +419,7 @@ class FusedOptimizerBase(ScalerProtocol, LoadedStateMixin, Optimizer):
         if self._torch_counterpart is None:
             return defaults
         own = self._own_group_defaults
-        out = {k: v for k, v in defaults.items() if not (k in own and _same_setting(v, own[k]))}
+        out = {k: v for k, v in defaults.items() if not (k in own and same_setting(v, own[k]))}
         for key, value in _torch_group_defaults(self._torch_counterpart).items():
             out.setdefault(key, value)
         return out
@@ -501,13 +499,6 @@ def masters_of(states: list) -> Optional[list]:
 
 
 _TORCH_GROUP_DEFAULTS: dict = {}
-
-
-def _same_setting(a, b) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - a tensor-valued setting is never the default
-        return False
 
 
 def _torch_group_defaults(torch_cls: type) -> dict:

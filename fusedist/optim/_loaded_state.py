@@ -64,7 +64,7 @@ class LoadedStateMixin:
             # the class default, Note [param groups in torch's keys]): this optimizer's setting.
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
-        self._drop_own_keys_at_default()
+        self._drop_own_keys_at_default(self.param_groups)
         id_map = {
             old_id: p
             for old_group, group in zip(saved_groups, self.param_groups)
@@ -81,19 +81,19 @@ class LoadedStateMixin:
         for hook in post_hooks.values():
             hook(self)
 
-    def _drop_own_keys_at_default(self) -> None:
-        """Older checkpoints spelled out fusedist-only settings at their defaults
-        (``master_weights: False``); torch's loader copies every saved key, so they came back into
-        the groups, and every later save carried keys torch's optimizers never hold. A loaded group
-        holds them as a constructed one does: only where they differ from the default (Note [param
-        groups in torch's keys]) -- unless this optimizer was built with another default, which a
-        missing key would read."""
+    def _drop_own_keys_at_default(self, groups: list) -> None:
+        """``groups`` holding fusedist-only settings as a constructed group does: only where they
+        differ from the default (Note [param groups in torch's keys]) -- unless this optimizer was
+        built with another default, which a missing key would read. For a group added, and for the
+        groups of a load: older checkpoints spelled those settings out at their defaults
+        (``master_weights: False``), torch's loader copies every saved key, and every later save
+        carried keys torch's optimizers never hold."""
         own = self._own_group_defaults
         for key, default in own.items():
-            if key in self.defaults and not _same(self.defaults[key], default):
+            if key in self.defaults and not same_setting(self.defaults[key], default):
                 continue
-            for group in self.param_groups:
-                if key in group and _same(group[key], default):
+            for group in groups:
+                if key in group and same_setting(group[key], default):
                     del group[key]
 
     def _check_loadable(self, saved_groups: list, saved_state: dict) -> None:
@@ -147,7 +147,8 @@ class LoadedStateMixin:
         return value.detach().to(device=p.device, copy=True)
 
 
-def _same(a, b) -> bool:
+def same_setting(a, b) -> bool:
+    """Whether two values of a group setting are equal (a tensor-valued one equals no default)."""
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - a tensor-valued setting is never the default

@@ -93,10 +93,9 @@ def _full_state(opt, rank):
     return box[0]
 
 
-def _loaded_groups(rank, world, seed, directory):
-    """A state dict saved before an LR scheduler and a ``foreach`` setting existed, loaded (as torch's
-    full format, and as the list of shards) into the optimizer that has them: its groups against
-    torch's AdamW loading the same dict, then training on against torch's AdamW."""
+def _trained_two_steps(seed, rank, world):
+    """torch's AdamW on the global batch and fusedist's DDP + ZeroRedundancyOptimizer over AdamW on the
+    ranks' batches, from the same weights, after two steps: (ref, ref_opt, model, run, opt)."""
     import fusedist
 
     torch.manual_seed(seed)
@@ -107,6 +106,14 @@ def _loaded_groups(rank, world, seed, directory):
     ref_opt = torch.optim.AdamW(_groups(ref), lr=LR)
     for step in range(2):
         _step(seed, step, rank, world, ref, ref_opt, run, opt)
+    return ref, ref_opt, model, run, opt
+
+
+def _loaded_groups(rank, world, seed, directory):
+    """A state dict saved before an LR scheduler and a ``foreach`` setting existed, loaded (as torch's
+    full format, and as the list of shards) into the optimizer that has them: its groups against
+    torch's AdamW loading the same dict, then training on against torch's AdamW."""
+    ref, ref_opt, model, run, opt = _trained_two_steps(seed, rank, world)
     full, shard = _full_state(opt, rank), opt.shard_state_dict()
     import torch.distributed as dist
 
@@ -140,14 +147,7 @@ def _pickled(rank, world, seed, directory):
 
     import fusedist
 
-    torch.manual_seed(seed)
-    ref = _net()
-    model = copy.deepcopy(ref)
-    run = fusedist.DistributedDataParallel(model)
-    opt = fusedist.ZeroRedundancyOptimizer(_groups(model), torch.optim.AdamW, lr=LR)
-    ref_opt = torch.optim.AdamW(_groups(ref), lr=LR)
-    for step in range(2):
-        _step(seed, step, rank, world, ref, ref_opt, run, opt)
+    ref, ref_opt, model, run, opt = _trained_two_steps(seed, rank, world)
     out = {"pickle": _error(lambda: pickle.dumps(opt)),
            "torch.save": _error(lambda: torch.save(opt, io.BytesIO()))}
     from fusedist.integrations._optimizer_swap import _named_as

@@ -231,8 +231,13 @@ def test_layout_tensor_parallel_divides_the_key_value_heads(capsys):
     # 16 micro-batches a step under 1F1B: the first stage holds pp of them, all 80 blocks' worth
     code, out, _ = run_cli(capsys, *shape, "--kv-heads", "1", "--recompute", "selective", "--global-batch", "1024")
     assert code == 1 and json.loads(out)["suggestion"]["layout"] is None  # was tp=2
-    # one micro-batch a step: a stage holds its 80 / pp blocks of it
+    # one micro-batch a step: torch's Schedule1F1B refuses fewer micro-batches than stages (it had been
+    # suggested), GPipe runs it, a stage holding its 80 / pp blocks of it
     code, out, _ = run_cli(capsys, *shape, "--kv-heads", "1", "--recompute", "selective")
+    suggestion = json.loads(out)["suggestion"]
+    assert code == 1 and suggestion["layout"] is None
+    assert "fewer than the 2 stages torch's Schedule1F1B needs" in suggestion["layouts_refused"]["pp=2"]
+    code, out, _ = run_cli(capsys, *shape, "--kv-heads", "1", "--recompute", "selective", "--pp-schedule", "gpipe")
     lay = json.loads(out)["suggestion"]["layout"]
     assert code == 0 and lay["tp"] == 1 and lay["pp"] > 1, lay
     code, out, _ = run_cli(capsys, *shape, "--kv-heads", "1", "--recompute", "full")

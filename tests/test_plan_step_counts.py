@@ -8,8 +8,9 @@ import torch
 from fusedist.optim import FusedAdamW
 from fusedist.plan import Job, ModelSpec, build_plan
 from fusedist.plan.hardware import PRESETS
-from fusedist.plan.memory import bucket_count, model_states
+from fusedist.plan.memory import bucket_count, model_states, zero_pieces
 from fusedist.plan.model import param_tensors
+from fusedist.plan.plan import _groups
 from fusedist.plan.torch_model import Transformer
 
 SPEC = ModelSpec(arch="llama", layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=48, seq=8, vocab=40)
@@ -52,3 +53,56 @@ def test_zero_pieces_are_one_a_bucket():
     tensors = (64, 8) * 5
     assert bucket_count(tensors, 0.0005, 4, 2) == 3
     assert bucket_count(tensors, 0.0005, 2, 2) == 2
+
+
+def _fusedist_pieces(spec, groups_of, dtype, cap_bytes: int, world: int) -> int:
+    """The pieces the busiest rank's inner optimizer steps: fusedist's own gradient buckets (DDP's
+    layout, gradients' order) and ZeRO's flat partition of them, param groups from ``groups_of``."""
+    from fusedist.ddp.layout import build_layout
+    from fusedist.zero.partition import FlatPartition
+    params = list(Transformer(spec).to(dtype).parameters())
+    order = params[::-1]
+    layout = build_layout(order, [str(i) for i in range(len(order))], caps=[cap_bytes], world_size=world,
+                          device=torch.device("cpu"))
+    group_of = [groups_of(p) for p in params]
+    return max(len(FlatPartition(layout.buckets, params, group_of, rank, world).pieces) for rank in range(world))
+
+
+def test_zero_pieces_follow_the_param_groups():
+    """A no-weight-decay group for the norms and biases (nanoGPT's and the HF Trainer's split) cuts
+    each bucket's slice wherever the group changes: the planner counted one piece a bucket."""
+    gpt = ModelSpec(arch="gpt", layers=2, hidden=32, heads=4, seq=8, vocab=40)
+    plain = (lambda p: 0)
+    no_decay = (lambda p: int(p.dim() < 2))
+    for spec in (SPEC, gpt):
+        tensors = tuple(param_tensors(spec))
+        for split, rule in ((plain, "one"), (no_decay, "no-decay")):
+            groups = _groups(spec, 1, rule)
+            for dtype, g in ((torch.float32, 4), (torch.bfloat16, 2)):
+                for cap_mb, world in ((0.004, 2), (0.004, 3), (1.0, 2), (0.0005, 4)):
+                    real = _fusedist_pieces(spec, split, dtype, int(cap_mb * 2**20), world)
+                    assert zero_pieces(tensors, groups, cap_mb, g, world) == real, (spec.arch, rule, cap_mb, world)
+        # the plan's count, as --param-groups gives it
+        for rule, split in (("one", plain), ("no-decay", no_decay)):
+            plan = build_plan(spec, Job(gpus=2, micro_batch=1, seq=8, precision="fp32", bucket_cap_mb=0.004,
+                                        param_groups=rule), PRESETS["h100"])
+            assert plan["memory"]["zero1"]["terms"]["host:steps"] == 4 * _fusedist_pieces(
+                spec, split, torch.float32, int(0.004 * 2**20), 2)
+    assert _fusedist_pieces(SPEC, no_decay, torch.float32, 1 << 20, 2) > _fusedist_pieces(SPEC, plain, torch.float32,
+                                                                                          1 << 20, 2)
+
+
+def test_param_groups_flag(capsys):
+    import json
+    from fusedist.plan import cli
+    shape = ["--arch", "gpt", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "8", "--vocab", "40",
+             "--gpus", "2", "--precision", "fp32", "--bucket-cap-mb", "0.004", "--json"]
+    steps = {}
+    for rule in ("one", "no-decay"):
+        assert cli.main([*shape, "--param-groups", rule]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["inputs"]["param_groups"] == rule
+        steps[rule] = plan["memory"]["zero2"]["terms"]["host:steps"]
+    assert steps["no-decay"] > steps["one"]
+    assert cli.main([*shape, "--param-groups", "layerwise"]) == 2
+    assert "--param-groups: invalid choice" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from .errors import PlanError
 from .hf_config import HF_MODEL_TYPES, MAX_LAYERS, config_key, from_hf_config
 from .model import ARCHS, ModelSpec, count_params, validate
 from .pipeline import SCHEDULES
-from .plan import Job, build_plan, check_expert_parallel
+from .plan import PARAM_GROUPS, Job, build_plan, check_expert_parallel
 
 PROG = "python -m fusedist.plan"
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -132,7 +132,13 @@ def parser() -> argparse.ArgumentParser:
                         "the data-parallel GPUs (dividing the experts and --gpus; default 1, none)")
     j.add_argument("--pp-schedule", type=_choice, default="1f1b", choices=SCHEDULES,
                    help="pipeline schedule of a suggested pp layout: 1f1b (the first stage holds pp micro-batches' "
-                        "activations) or gpipe (every stage holds all of a step's); default 1f1b")
+                        "activations), gpipe (every stage holds all of a step's) or interleaved (torch's "
+                        "ScheduleInterleaved1F1B, --virtual-stages a rank); default 1f1b")
+    j.add_argument("--param-groups", type=_choice, default="one", choices=PARAM_GROUPS,
+                   help="the optimizer's param groups, which ZeRO-1/2 step as separate flat pieces: one (default) or "
+                        "no-decay (norms' weights and biases, the 1-D tensors, in a group of their own)")
+    j.add_argument("--virtual-stages", type=int,
+                   help="--pp-schedule interleaved: pipeline stages each pp rank runs (v; 1 or more)")
     h = p.add_argument_group("hardware")
     h.add_argument("--gpu", default="h100", help=f"{', '.join(hardware.CHOICES)} (default h100)")
     h.add_argument("--gpu-memory-gb", type=_real)
@@ -281,6 +287,7 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
     if spec.arch == "gpt" and spec.has_shape and seq > spec.seq:
         raise PlanError("--seq", f"{seq} is longer than the model's {spec.seq} learned positions")
     check_expert_parallel(args.ep, spec, gpus)
+    virtual = _virtual_stages(args)
     if (args.ref_lr is None) != (args.ref_batch is None):
         raise PlanError("--ref-batch" if args.ref_batch is None else "--ref-lr",
                         "give --ref-lr and --ref-batch together")
@@ -289,7 +296,24 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
                optimizer=args.optimizer, convention=args.convention, mfu=args.mfu,
                bucket_cap_mb=args.bucket_cap_mb, scratch_gb=args.scratch_gb, ref_lr=args.ref_lr,
                ref_batch=args.ref_batch, seq_from_config=args.seq is None, ep=args.ep,
-               pp_schedule=args.pp_schedule)
+               pp_schedule=args.pp_schedule, virtual_stages=virtual, param_groups=args.param_groups)
+
+
+def _virtual_stages(args) -> int:
+    """--virtual-stages, which only the interleaved schedule has and which it needs."""
+    v = args.virtual_stages
+    if args.pp_schedule != "interleaved":
+        if v is not None:
+            raise PlanError("--virtual-stages", f"only with --pp-schedule interleaved (got --pp-schedule "
+                                                f"{args.pp_schedule}, one stage a rank)")
+        return 1
+    if v is None:
+        raise PlanError("--virtual-stages", "needed with --pp-schedule interleaved: the stages each pipeline rank "
+                                            "runs, e.g. 2")
+    if v < 1:
+        raise PlanError("--virtual-stages", f"must be positive, got {v}")
+    _bounded("--virtual-stages", v, MAX_LAYERS)
+    return v
 
 
 def main(argv=None) -> int:

@@ -215,6 +215,9 @@ def _optimizer(strategy, params, job):
     from fusedist.optim import FusedAdamW, FusedSGD
     adam = job.optimizer == "adamw"
     kw = {"lr": 1e-4, "weight_decay": 0.0} if adam else {"lr": 1e-4, "momentum": 0.9}
+    if job.param_groups == "no-decay":  # the 1-D tensors in a group of their own, as planned
+        params = list(params)
+        params = [{"params": [p for p in params if p.dim() >= 2]}, {"params": [p for p in params if p.dim() < 2]}]
     if strategy in ("ddp", "zero3", "zero3_offload"):  # zero3 steps the pieces like any parameters
         if job.precision == "fp32":
             return (torch.optim.AdamW if adam else torch.optim.SGD)(params, **kw)

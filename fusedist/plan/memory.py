@@ -120,8 +120,11 @@ def step_counts(strategy: str, precision: str, optimizer: str, tensors: Optional
 # ``--measure`` trains: 16-bit DDP and ZeRO-3 step with FusedAdamW / FusedSGD (a count on the
 # device a tensor: every parameter, every piece), fp32 with torch's AdamW (in host memory) or
 # SGD (none), and ZeRO-1/2's inner torch AdamW steps one flat piece per gradient bucket (in
-# host memory). 4 bytes a tensor, a few KB for any model: counted so that the figures are what
-# the optimizers allocate, and where (device or host), as ``--measure`` reads them.
+# host memory) and param group run: with a no-weight-decay group (``--param-groups no-decay``)
+# each bucket's slice is cut wherever the group changes, a piece more per norm or bias between
+# two matrices, counted on the busiest rank (:func:`zero_pieces`). 4 bytes a tensor, a few KB
+# for any model: counted so that the figures are what the optimizers allocate, and where
+# (device or host), as ``--measure`` reads them.
 
 
 def model_states(psi: float, n: int, strategy: str, precision: str, optimizer: str = "adamw",
@@ -289,6 +292,40 @@ def bucket_count(tensors: tuple, bucket_cap_mb: float, g: int, n: int) -> int:
     caps = ((FIRST_BUCKET_BYTES, bucket_cap_mb * MiB) if bucket_cap_mb == DEFAULT_BUCKET_CAP_MB
             else (bucket_cap_mb * MiB,))
     return len(_bucket_elements(tensors[::-1], caps, g, n))
+
+
+def zero_pieces(tensors: tuple, groups: tuple, bucket_cap_mb: float, g: int, n: int) -> int:
+    """The flat pieces the busiest of ``n`` ranks steps under ZeRO-1/2 (Note [step counts]): one
+    for each bucket's slice, and one more wherever the param group changes inside the slice
+    (``groups``: each tensor's group, registration order), as fusedist/zero/partition.py cuts
+    them."""
+    caps = ((FIRST_BUCKET_BYTES, bucket_cap_mb * MiB) if bucket_cap_mb == DEFAULT_BUCKET_CAP_MB
+            else (bucket_cap_mb * MiB,))
+    order = list(range(len(tensors)))[::-1]
+    members = _bucket_members([tensors[i] for i in order], caps, g)
+    elements = _bucket_elements([tensors[i] for i in order], caps, g, n)
+    extra = [0] * n
+    for bucket, padded in zip(members, elements):
+        shard, offset = padded // n, 0
+        for k, j in enumerate(bucket):
+            if k and groups[order[j]] != groups[order[bucket[k - 1]]] and offset % shard:
+                extra[offset // shard] += 1
+            offset += tensors[order[j]]
+    return len(members) + max(extra)
+
+
+def _bucket_members(order, caps: tuple, g: int) -> list:
+    """Which of the tensors in ``order`` (their positions) each bucket holds (:func:`_bucket_elements`)."""
+    buckets, open_bucket, open_elements = [], [], 0
+    for j, t in enumerate(order):
+        open_bucket.append(j)
+        open_elements += t
+        if open_elements * g >= caps[min(len(buckets), len(caps) - 1)]:
+            buckets.append(open_bucket)
+            open_bucket, open_elements = [], 0
+    if open_bucket or not buckets:
+        buckets.append(open_bucket)
+    return buckets
 
 
 def _bucket_elements(order, caps: tuple, g: int, n: int) -> list:

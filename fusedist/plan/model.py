@@ -298,6 +298,11 @@ def block_params(spec: ModelSpec, i: int, ep: int = 1) -> int:
     return n - _moe_params(spec, spec.experts) + _swiglu_params(spec.hidden, spec.ffn, spec.mlp_bias)
 
 
+class Vector(int):
+    """The elements of a one-dimensional parameter (a norm's weight, a bias): the tensors the usual
+    no-weight-decay param group holds (:func:`param_tensors`)."""
+
+
 def param_tensors(spec: ModelSpec, ep: int = 1) -> list:
     """Elements of each parameter tensor, in the order fusedist/plan/torch_model.py registers
     them: DDP's gradient buckets take them last to first, and a bucket closes only once it
@@ -306,9 +311,11 @@ def param_tensors(spec: ModelSpec, ep: int = 1) -> list:
     of experts' routed experts are stacked, one gate-and-up and one down tensor a block (as
     torch_model.py and transformers 5 hold them; ``experts / ep`` of them on a rank), not a
     tensor per expert (transformers 4): a stacked tensor is a bucket of its own, 1.9 GB of
-    bf16 gradients a Mixtral-8x7B layer, which one expert's tensors counted as 0.23 GB."""
+    bf16 gradients a Mixtral-8x7B layer, which one expert's tensors counted as 0.23 GB. The
+    one-dimensional tensors are :class:`Vector` s."""
     h = spec.hidden
-    norm = [h] if spec.arch == "llama" else [h, h]  # RMSNorm: weight; LayerNorm: weight and bias
+    # RMSNorm: weight; LayerNorm: weight and bias
+    norm = [Vector(h)] if spec.arch == "llama" else [Vector(h), Vector(h)]
     out = [spec.vocab * h] + ([spec.seq * h] if spec.arch == "gpt" else [])
     for i in range(spec.layers):
         out += _block_tensors(spec, i, norm, ep)
@@ -317,18 +324,19 @@ def param_tensors(spec: ModelSpec, ep: int = 1) -> list:
 
 
 def _linear(fan_in: int, fan_out: int, bias: bool) -> list:
-    return [fan_in * fan_out] + ([fan_out] if bias else [])
+    return [fan_in * fan_out] + ([Vector(fan_out)] if bias else [])
 
 
 def _block_tensors(spec: ModelSpec, i: int, norm: list, ep: int) -> list:
     """Block ``i``'s tensors in torch_model.Block's order (norms, attention, experts, MLP)."""
     h, f, gpt = spec.hidden, spec.ffn, spec.arch == "gpt"
-    t = norm * (1 if spec.shared_norm else 2) + norm * 2 * spec.sandwich_norm + [spec.head_size] * 2 * spec.qk_norm
+    t = (norm * (1 if spec.shared_norm else 2) + norm * 2 * spec.sandwich_norm
+         + [Vector(spec.head_size)] * 2 * spec.qk_norm)
     if spec.kv_lora_rank is not None:  # Note [latent attention]
         r, qr, rope = spec.kv_lora_rank, spec.q_lora_rank, spec.rope_head_dim
-        t += (_linear(h, qr, spec.qkv_bias) + [qr] + _linear(qr, spec.q_dim, False) if qr
+        t += (_linear(h, qr, spec.qkv_bias) + [Vector(qr)] + _linear(qr, spec.q_dim, False) if qr
               else _linear(h, spec.q_dim, False))
-        t += _linear(h, r + rope, spec.qkv_bias) + [r]
+        t += _linear(h, r + rope, spec.qkv_bias) + [Vector(r)]
         t += _linear(r, spec.heads * (spec.head_size - rope + spec.v_head_dim), False)
     else:
         t += _linear(h, spec.q_dim + 2 * spec.kv_dim, gpt or spec.qkv_bias)

@@ -12,9 +12,9 @@ from .errors import PlanError
 from .hardware import PRESETS, Hardware
 from .model import (ModelSpec, activation_bytes, active_params, attention_flops_per_token, block_params,
                     count_params, embedding_params, expert_params, matmul_params, param_tensors,
-                    recomputed_layer_bytes)
+                    recomputed_layer_bytes, Vector)
 from .memory import STRATEGIES
-from .pipeline import pipeline_activation_bytes
+from .pipeline import pipeline_activation_bytes, pipeline_schedule, schedule_refusal
 
 GB = 10**9
 # ModelSpec fields left out of the plan's model while off, so a plain model reads as before
@@ -43,6 +43,9 @@ class Job:
     ep: int = 1  # expert parallelism: each MoE layer's routed experts over ep ranks of the N
     # a suggested pipeline's schedule: how many micro-batches a stage holds (fusedist/plan/pipeline.py)
     pp_schedule: str = "1f1b"
+    virtual_stages: int = 1  # pipeline stages a rank runs (the interleaved schedule)
+    # the optimizer's param groups: "one", or "no-decay" (1-D tensors, norms and biases, in a group of their own)
+    param_groups: str = "one"
 
     @property
     def ranks_per_node(self) -> int:
@@ -60,11 +63,12 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     held = memory.held_params(psi, expert_params(spec), ep) / (tp * pp) if ep > 1 else None
     tensors = _tensors(spec, tp, ep)
     states = memory.model_states(shard_psi, dp, strategy, job.precision, job.optimizer, job.convention, held=held,
-                                 step_tensors=_stepped_tensors(tensors, strategy, job, dp, pp))
+                                 step_tensors=_stepped_tensors(tensors, strategy, job, dp, pp,
+                                                               _groups(spec, ep, job.param_groups)))
     # the micro-batches a step runs on each pipeline (Note [activations under pipeline parallelism])
     micro_batches = suggest.grad_accum(job.global_batch, job.micro_batch, dp)[0]
     act = pipeline_activation_bytes(spec, job.micro_batch, job.seq, job.precision, job.recompute, tp, pp,
-                                    micro_batches, job.pp_schedule)
+                                    micro_batches, job.pp_schedule, job.virtual_stages)
     units, outputs = _zero3_units(spec, tp, dp, ep)
     root = embedding_params(spec) / tp if spec.has_shape else 0.0
     temp_args = (strategy, shard_psi if held is None else held, job.precision, units, job.bucket_cap_mb,
@@ -109,15 +113,31 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
 # system, data loaders and pinned staging buffers take is left to the headroom.
 
 
-def _stepped_tensors(tensors: Optional[tuple], strategy: str, job: Job, dp: int, pp: int) -> Optional[int]:
+def _stepped_tensors(tensors: Optional[tuple], strategy: str, job: Job, dp: int, pp: int,
+                     groups: Optional[tuple] = None) -> Optional[int]:
     """The tensors a rank's optimizer steps (Note [step counts] in memory.py): every parameter (DDP) or
-    piece (ZeRO-3), or one flat piece per gradient bucket (ZeRO-1/2); a pipeline stage its share."""
+    piece (ZeRO-3), or the flat pieces of the busiest rank, one per gradient bucket and param group
+    run (ZeRO-1/2); a pipeline stage its share."""
     if tensors is None:
         return None
     count = len(tensors)
     if strategy.startswith(("zero1", "zero2")):
-        count = memory.bucket_count(tensors, job.bucket_cap_mb, memory.param_bytes(job.precision), dp)
+        count = memory.zero_pieces(tensors, groups or (0,) * count, job.bucket_cap_mb,
+                                   memory.param_bytes(job.precision), dp)
     return -(-count // pp)
+
+
+PARAM_GROUPS = ("one", "no-decay")
+
+
+@functools.lru_cache(maxsize=32)
+def _groups(spec: ModelSpec, ep: int, param_groups: str) -> Optional[tuple]:
+    """Each parameter tensor's param group, registration order: all in one, or ``no-decay``'s
+    split (the 1-D tensors, norms' weights and biases, in group 1: nanoGPT's and the Hugging Face
+    Trainer's no-weight-decay group)."""
+    if not spec.has_shape:
+        return None
+    return tuple(int(param_groups == "no-decay" and isinstance(t, Vector)) for t in param_tensors(spec, ep))
 
 
 @functools.lru_cache(maxsize=32)
@@ -158,6 +178,19 @@ def _all_to_all(spec: ModelSpec, job: Job, hw: Hardware, accum: int) -> dict:
     gbps = comm.expert_bandwidth_gbps(job.ep, job.gpus, job.gpus_per_node, hw.intra_node_gbps, hw.inter_node_gbps)
     return {"all_to_all_bytes_per_step": int(round(nbytes)), "all_to_all_seconds": comm.seconds(nbytes, gbps),
             "all_to_all_gbps": gbps}
+
+
+def _schedule_refusal(spec: ModelSpec, job: Job, dp: int, pp: int) -> Optional[str]:
+    """Why ``pp`` stages on ``dp`` data-parallel ranks cannot run the job's pipeline schedule
+    (:func:`fusedist.plan.pipeline.schedule_refusal`), or None."""
+    if pp == 1:
+        return None
+    m = suggest.grad_accum(job.global_batch, job.micro_batch, dp)[0]
+    why = schedule_refusal(job.pp_schedule, pp, m, job.virtual_stages, spec.layers if spec.has_shape else None)
+    if why and job.pp_schedule == "1f1b":
+        why += (f": give a --global-batch of at least {pp * job.micro_batch * dp} (pp x --micro-batch x dp "
+                f"{dp}) or --pp-schedule gpipe")
+    return why
 
 
 def check_expert_parallel(ep: int, spec: ModelSpec, gpus: int) -> None:
@@ -225,15 +258,26 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         mem[s]["runs"] = suggest.runs(s, job.optimizer)
     best = suggest.cheapest(mem, tim, job.optimizer)
     layout = None
+    refused = {}  # pp -> why torch's schedule does not run it (Note [interleaved 1F1B as torch runs it])
     if best is None:
         def total_of(strategy, dp, tp, pp, ep):
             e = _memory_entry(spec, psi, job, hw, strategy, dp, tp, pp, ep)
             return e["total_bytes"], e["fits"]
+
+        def refusal(dp, pp):
+            why = _schedule_refusal(spec, job, dp, pp)
+            if why:
+                refused.setdefault(f"pp={pp}", why)
+            return why
         layout = suggest.layout(n, job.gpus_per_node, spec.heads, spec.layers, total_of,
                                 kv_heads=spec.kv if spec.has_shape else None,
-                                eps=suggest.expert_parallel_sizes(spec.experts if spec.moe else None, job.ep))
+                                eps=suggest.expert_parallel_sizes(spec.experts if spec.moe else None, job.ep),
+                                refusal=refusal)
     if layout is not None:
         accum, global_batch = suggest.grad_accum(job.global_batch, job.micro_batch, layout["dp"])
+        if layout["pp"] > 1:
+            layout["pipeline"] = pipeline_schedule(spec, job.micro_batch, job.seq, job.precision, layout["tp"],
+                                                   layout["pp"], accum, job.pp_schedule, job.virtual_stages)
     lr = suggest.learning_rate(job.ref_lr, job.ref_batch, global_batch)
 
     inputs = {
@@ -251,6 +295,8 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         "precision": job.precision,
         "recompute": job.recompute, "optimizer": job.optimizer, "convention": job.convention,
         "pp_schedule": job.pp_schedule,
+        "param_groups": job.param_groups,
+        **({"virtual_stages": job.virtual_stages} if job.pp_schedule == "interleaved" else {}),
         "gpu": dataclasses.asdict(hw),
         "assumptions": {
             "mfu": job.mfu,
@@ -283,7 +329,8 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                             "selective figure), dropout masks counted; sequence parallelism with any "
                             "suggested tensor parallelism; a suggested pipeline's fullest stage: its blocks times "
                             "the micro-batches it holds at once (1F1B: the first stage holds min(pp, micro-batches) "
-                            "of them, GPipe: every stage all of them; Megatron's memory estimator)"),
+                            "of them, GPipe: every stage all of them; Megatron's memory estimator; interleaved: "
+                            "the chunks torch's ScheduleInterleaved1F1B keeps alive on a rank at its peak)"),
         },
     }
     if job.recompute == "full" and spec.has_shape:  # Note [the recomputed layer] in model.py
@@ -310,5 +357,6 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
             "grad_accum_steps": accum,
             "global_batch": global_batch,
             "lr": lr,
+            **({"layouts_refused": refused} if refused else {}),
         },
     }

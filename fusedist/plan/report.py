@@ -103,6 +103,19 @@ def recipe(layout: dict) -> list:
     return out
 
 
+def _pipeline_lines(pipe) -> list:
+    """The suggested pipeline's schedule: what the first rank holds, the bubble, the sends."""
+    if not pipe:
+        return []
+    chunks = "chunks (a micro-batch on one of its stages)" if pipe["schedule"] == "interleaved" else "micro-batches"
+    message = f" of {_gb(pipe['p2p_message_bytes'])} GB" if pipe["p2p_message_bytes"] is not None else ""
+    return [f"  schedule: {pipe['schedule']}, {pipe['stages']} stages ({pipe['virtual_stages']} a rank), "
+            f"{pipe['micro_batches']} micro-batches a step; the first rank holds {pipe['first_rank_in_flight']} "
+            f"{chunks}; bubble {pipe['bubble_ratio']:.1%} of the compute ({pipe['bubble_fraction']:.1%} of the step, "
+            f"not in the step times above); {pipe['p2p_sends_per_step']} sends a step{message} "
+            f"({pipe['p2p_sends_more_than_1f1b']} more than 1F1B's)"]
+
+
 def format_plan(plan: dict) -> str:
     i, a = plan["inputs"], plan["inputs"]["assumptions"]
     g = i["gpu"]
@@ -171,11 +184,14 @@ def format_plan(plan: dict) -> str:
                    + (f"(ep={lay['ep']}) " if lay.get("ep", 1) > 1 else "")
                    + f"with {lay['strategy']} does ({_gb(lay['total_bytes'])} GB per GPU; tp within a node)")
         out += recipe(lay)
+        out += _pipeline_lines(lay.get("pipeline"))
     elif lay and lay.get("ep", 1) != i.get("ep", 1):
         out.append(f"suggestion: no data-parallel strategy fits at ep={i.get('ep', 1)}; {lay['strategy']} with the "
                    f"experts over ep={lay['ep']} of the {lay['dp']} GPUs does ({_gb(lay['total_bytes'])} GB per GPU)")
     else:
         out.append(f"suggestion: {s['strategy']} (the fitting strategy with the shortest step)")
+    for pp, why in s.get("layouts_refused", {}).items():
+        out.append(f"  not suggested, {pp}: {why}")
     at_dp = f" at the suggested dp={lay['dp']}" if lay and lay["dp"] != i["gpus"] else ""
     out.append(f"gradient accumulation{at_dp}: {s['grad_accum_steps']} step(s) for a global batch of "
                f"{s['global_batch']}"

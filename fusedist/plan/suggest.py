@@ -50,7 +50,8 @@ def expert_parallel_sizes(experts: Optional[int], ep: int) -> tuple:
 
 def layout(n: int, gpus_per_node: int, heads: Optional[int], layers: Optional[int],
            total_of: Callable[[str, int, int, int, int], tuple[float, bool]],
-           kv_heads: Optional[int] = None, eps: tuple = (1,)) -> Optional[dict]:
+           kv_heads: Optional[int] = None, eps: tuple = (1,),
+           refusal: Optional[Callable[[int, int], Optional[str]]] = None) -> Optional[dict]:
     """Smallest model-parallel layout that fits: tensor parallelism within a node (``tp``
     a power of two up to the node's GPUs, dividing the heads and the key/value heads: each
     rank holds whole query groups, Megatron-LM's requirement for grouped-query attention,
@@ -61,12 +62,15 @@ def layout(n: int, gpus_per_node: int, heads: Optional[int], layers: Optional[in
     or else the smallest, then the simplest ZeRO stage. Expert parallelism comes before
     tensor parallelism: it leaves the dense layers whole and costs an all-to-all of the
     tokens instead of the activations' all-reduces. ``total_of(strategy, dp, tp, pp, ep)``
-    gives (bytes per GPU, fits)."""
+    gives (bytes per GPU, fits); ``refusal(dp, pp)`` why the pipeline schedule cannot run a
+    layout (None: it can), which is then skipped."""
     if heads is None or layers is None:
         return None
     best = None
     for tp, pp in _model_parallel(n, gpus_per_node, heads, layers, kv_heads):
         dp = n // (tp * pp)
+        if refusal is not None and refusal(dp, pp):
+            continue
         for rank, ep in enumerate(eps):
             if dp % ep:
                 continue

@@ -195,6 +195,13 @@ def flat_params(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def max_param_diff(m1, m2) -> float:
+    """The largest absolute difference between two models' corresponding parameters (those with
+    elements; 0.0 where none has any)."""
+    return max((float((p - q).abs().max()) for p, q in zip(m1.parameters(), m2.parameters()) if p.numel()),
+               default=0.0)
+
+
 def shard_both(ref, ours, mesh, units=lambda model: model.blocks):
     """``ref`` sharded by torch's ``fully_shard`` and ``ours`` by fusedist's, alike: each of
     ``units(model)``, then the root, over ``mesh``. Returns ``(ref, ours)``."""

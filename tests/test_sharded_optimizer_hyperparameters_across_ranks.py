@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch import nn
 
+from models import max_param_diff, raised
 from shared_rank_launch import launch_for_selected, results_of
 
 TOL = 1e-5
@@ -50,18 +51,6 @@ def _batch(seed, step, rank, world, n=3):
 
 
 @torch.no_grad()
-def _maxdiff(m1, m2):
-    return max(float((p - q).abs().max()) for p, q in zip(m1.parameters(), m2.parameters()))
-
-
-def _error(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test reads the message
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def _groups(m, lr_b=0.02, betas=(0.9, 0.999)):
     return [{"params": [m.a.weight, m.a.bias]}, {"params": [m.b.weight, m.b.bias], "lr": lr_b, "betas": betas}]
 
@@ -83,8 +72,8 @@ def _constructed_differently(rank, world, seed, stage):
         return fusedist.ZeroRedundancyOptimizer(_groups(model, **kw), optimizer_class=torch.optim.AdamW,
                                                stage=stage, lr=0.01, eps=1e-3)
 
-    errors = [_error(lambda: build(lr_b=0.02 if rank == 0 else 0.03)),
-              _error(lambda: build(betas=(0.9, 0.999) if rank == 0 else (0.8, 0.999)))]
+    errors = [raised(lambda: build(lr_b=0.02 if rank == 0 else 0.03)),
+              raised(lambda: build(betas=(0.9, 0.999) if rank == 0 else (0.8, 0.999)))]
     zopt = build()
     ropt = torch.optim.AdamW(_groups(ref), lr=0.01, eps=1e-3)
     zsched = torch.optim.lr_scheduler.ExponentialLR(zopt, 0.8)
@@ -104,7 +93,7 @@ def _constructed_differently(rank, world, seed, stage):
         zopt.step()
         rsched.step()
         zsched.step()
-        diffs.append(_maxdiff(ref, model))
+        diffs.append(max_param_diff(ref, model))
         if step == 1:  # a group added while the schedule has changed the rates: compared, alike
             for m, o in ((ref, ropt), (model, zopt)):
                 m.c.requires_grad_(True)
@@ -133,7 +122,7 @@ def _added_differently(rank, world, seed):
     ropt = torch.optim.AdamW(_groups(ref), lr=0.01, eps=1e-3)
     for m in (ref, model):
         m.c.requires_grad_(True)
-    error = _error(lambda: zopt.add_param_group({"params": [model.c.weight, model.c.bias],
+    error = raised(lambda: zopt.add_param_group({"params": [model.c.weight, model.c.bias],
                                                  "weight_decay": 0.1 if rank == 0 else 0.2}))
     groups_after = len(zopt.param_groups)
     zopt.add_param_group({"params": [model.c.weight, model.c.bias], "weight_decay": 0.1})
@@ -145,7 +134,7 @@ def _added_differently(rank, world, seed):
             o.zero_grad()
             nn.functional.mse_loss(m(xx), yy).backward()
             o.step()
-        diffs.append(_maxdiff(ref, model))
+        diffs.append(max_param_diff(ref, model))
     return {"error": error, "groups_after": groups_after, "diffs": diffs}
 
 
@@ -178,21 +167,21 @@ def _loaded_differently(rank, world, seed):
     before = [p.detach().clone() for p in model.parameters()]
     edited = copy.deepcopy(saved)
     edited["param_groups"][0]["eps"] = 1e-3 if rank == 0 else 1e-6
-    errors = [_error(lambda: zopt.load_state_dict(edited))]
+    errors = [raised(lambda: zopt.load_state_dict(edited))]
     broken = copy.deepcopy(saved)
     if rank == 1:
         broken["state"][0]["exp_avg"] = torch.zeros(3)
-    errors.append(_error(lambda: zopt.load_state_dict(broken)))
+    errors.append(raised(lambda: zopt.load_state_dict(broken)))
     everywhere = copy.deepcopy(saved)
     everywhere["state"][0]["exp_avg"] = torch.zeros(3)
-    errors.append(_error(lambda: zopt.load_state_dict(everywhere)))
+    errors.append(raised(lambda: zopt.load_state_dict(everywhere)))
     unchanged = max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), before))
     eps_after = zopt.param_groups[0]["eps"]
     zopt.load_state_dict(copy.deepcopy(saved))
     ropt.load_state_dict(copy.deepcopy(saved))
     ref.load_state_dict(model.state_dict())  # (the loaded dict carries no parameters: both go on from here)
     train(range(3, 6))
-    return {"errors": errors, "unchanged": unchanged, "eps_after": eps_after, "diff": _maxdiff(ref, model)}
+    return {"errors": errors, "unchanged": unchanged, "eps_after": eps_after, "diff": max_param_diff(ref, model)}
 
 
 SCENARIOS = {
@@ -209,7 +198,7 @@ def launched(request):
 
 
 def _names_both(error, rank, what, mine, theirs):
-    assert error is not None and error.startswith("RankMismatchError"), f"rank {rank}: {error}"
+    assert error.startswith("RankMismatchError"), f"rank {rank}: {error}"
     assert f"this is rank {rank}" in error, error
     assert f"ranks [0]: {what}={mine}" in error and f"ranks [1]: {what}={theirs}" in error, error
 
@@ -237,8 +226,8 @@ def test_load_with_other_hyperparameters_or_refused_on_one_rank(launched):
         other_eps, one_rank, every_rank = got["errors"]
         _names_both(other_eps, rank, "param group 0: eps", "0.001", "1e-06")
         assert "load_state_dict" in other_eps and "nothing was loaded" in other_eps, other_eps
-        assert one_rank is not None and one_rank.startswith("RankMismatchError"), f"rank {rank}: {one_rank}"
+        assert one_rank.startswith("RankMismatchError"), f"rank {rank}: {one_rank}"
         assert "ranks [1]: this rank's own refusal of the state dict (StateDictError" in one_rank, one_rank
-        assert every_rank is not None and every_rank.startswith("StateDictError"), f"rank {rank}: {every_rank}"
+        assert every_rank.startswith("StateDictError"), f"rank {rank}: {every_rank}"
         assert got["unchanged"] == 0.0 and got["eps_after"] == 1e-3, got
         assert got["diff"] <= TOL, f"rank {rank} seed {SEED + 4}: {got['diff']}"

@@ -39,6 +39,7 @@ import pytest
 import torch
 from torch import nn
 
+from models import max_param_diff
 from shared_rank_launch import launch_for_selected, results_of
 
 TOL = 1e-5
@@ -85,11 +86,6 @@ def _groups(m):
 
 
 @torch.no_grad()
-def _maxdiff(m1, m2):
-    return max((float((p - q).abs().max()) for p, q in zip(m1.parameters(), m2.parameters()) if p.numel()),
-               default=0.0)
-
-
 def _average_grads(model, world):
     """What torch's DDP would leave in ``p.grad``: the sharded optimizer without a DDP model takes
     synchronized gradients."""
@@ -134,7 +130,7 @@ def _training(rank, world, seed, stage, with_ddp):
             state = zsched.state_dict()
             zsched = torch.optim.lr_scheduler.StepLR(zopt, 2, 0.5)
             zsched.load_state_dict(state)
-        out.append((step, want, got, _maxdiff(ref, model)))
+        out.append((step, want, got, max_param_diff(ref, model)))
     return out
 
 
@@ -172,7 +168,7 @@ def _consolidate_to_one(rank, world, seed):
     strip = [{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]} for g in want["param_groups"]]
     return {"returned": True, "keys": (sorted(full["state"]), sorted(want["state"])),
             "groups": (full["param_groups"], strip), "state_diff": state_diff,
-            "after_load": _maxdiff(ref, plain_model)}
+            "after_load": max_param_diff(ref, plain_model)}
 
 
 def _flat_groups(m):
@@ -202,7 +198,7 @@ def _with_torch_zero(rank, world, seed):
                 nn.functional.mse_loss(run(lx), ly).backward()
                 opt.step()
             if len(pairs) > 1:
-                diffs.append(_maxdiff(tmodel, fmodel))
+                diffs.append(max_param_diff(tmodel, fmodel))
 
     def consolidated(opt, to):
         opt.consolidate_state_dict(to=to)
@@ -259,7 +255,7 @@ def _ranks_owning_nothing(rank, world, seed, stage):
         got = float(fusedist.clip_grad_norm_(model.parameters(), 0.05))
         ropt.step()
         zopt.step()
-        out.append((step, want, got, _maxdiff(ref, model)))
+        out.append((step, want, got, max_param_diff(ref, model)))
     zopt.consolidate_state_dict(to=world - 1)
     if rank == world - 1:
         full, want_state = zopt.state_dict()["state"], ropt.state_dict()["state"]
@@ -321,7 +317,7 @@ def _added_group_differs(rank, world, seed, with_ddp):
     diffs = []
     for step in range(1, 4):
         train(step)
-        diffs.append(_maxdiff(ref, model))
+        diffs.append(max_param_diff(ref, model))
     return {"error": error, "groups_after": groups_after, "refused_alone": refused_alone, "diffs": diffs}
 
 
@@ -360,7 +356,7 @@ def _stage2_subset_on_one_rank(rank, world, seed):
             o.zero_grad()
             nn.functional.mse_loss(m(xx), yy).backward()
             o.step()
-        diffs.append(_maxdiff(ref, model))
+        diffs.append(max_param_diff(ref, model))
     return {"errors": errors, "diffs": diffs}
 
 

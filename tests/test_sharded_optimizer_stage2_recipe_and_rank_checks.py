@@ -22,6 +22,9 @@
   (simulated here), no comparison result is read on the host in a step where nothing joins; a
   step whose ranks differ applies nothing, and the next step raises on every rank (Note [the
   comparison read without a synchronization]); the run trains as torch's AdamW otherwise.
+  A step that applied nothing so (skipped, or refused on every rank) leaves an LR scheduler's
+  first step warning "before `optimizer.step()`", as torch's does after a step its GradScaler
+  skipped or refused (Note [a refused or skipped sharded step and the LR scheduler]).
 * A stage-1 optimizer following a module wrapped again is seen through a framework wrapper that
   copied its ``__dict__`` with its new DDP model (``ddp`` is shared state), and steps from the
   newer wrapper's gradient buckets, without a copy of its own (Note [the buckets of a newer
@@ -388,6 +391,72 @@ def _verdict_on_the_device(rank, world, seed):
     return out
 
 
+def _scheduler_warns(scheduler) -> bool:
+    """Whether ``scheduler.step()`` warns that it came before any optimizer step."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheduler.step()
+    return any("before `optimizer.step()`" in str(w.message) for w in caught)
+
+
+def _torchs_first_step_applied_nothing(rank, world, seed):
+    """torch's schedule after a first step its GradScaler skipped (an overflow) or refused (no
+    gradients): the flag stays unset and the schedule warns."""
+    warned = []
+    for overflow in (True, False):
+        model = _net(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6)
+        x, y = _batch(seed, 0, rank)
+        if overflow:
+            scaler.scale(nn.functional.mse_loss(model(x), y) * float("inf")).backward()
+        models.raised(lambda: scaler.step(opt))  # (refused: "No inf checks were recorded")
+        warned.append(_scheduler_warns(scheduler))
+    return warned
+
+
+def _scheduler_after_a_step_that_applied_nothing(rank, world, seed):
+    """The head of an optimizer without DDP unfrozen on rank 1 only, an LR scheduler built after a
+    first step: the next step applies nothing -- skipped by the comparison verdict kept on the
+    device (an accelerator, simulated), or refused on every rank (gloo) -- and the scheduler's first
+    step warns as torch's does after a step its GradScaler skipped or refused; after a step that
+    applied its update (the verdict kept, the ranks alike) it does not."""
+    import fusedist
+    from fusedist.zero import trainable_check
+
+    def first_steps(on_device, differ):
+        model = _net(seed)
+        model[2].requires_grad_(False)
+        opt = fusedist.ZeroRedundancyOptimizer(list(model.parameters()), torch.optim.AdamW, lr=0.01)
+        x, y = _batch(seed, 0, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        _average(model, world)
+        opt.step()
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
+        if differ and rank == 1:
+            model[2].requires_grad_(True)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        _average(model[0], world)
+        saved = trainable_check.reads_for_free
+        if on_device:
+            trainable_check.reads_for_free = lambda flag: False
+        try:
+            errors = [models.raised(opt.step)]
+            warned = _scheduler_warns(scheduler)
+            if on_device and differ:  # (the kept verdict refuses the next step on every rank)
+                errors.append(models.raised(opt.step))
+        finally:
+            trainable_check.reads_for_free = saved
+        return [e.split(":")[0] for e in errors], warned
+
+    return {"skipped": first_steps(True, True), "refused": first_steps(False, True),
+            "applied": first_steps(True, False)}
+
+
 def _followed_wrapper(rank, world, seed):
     import fusedist
 
@@ -423,6 +492,9 @@ SCENARIOS = {
         "device verdict": (_verdict_on_the_device, (SEED,))},
     "test_optimizer_following_a_rewrapped_module_shares_ddp_and_its_buckets": {
         "followed": (_followed_wrapper, (SEED,))},
+    "test_scheduler_after_a_step_that_applied_nothing_warns_as_torchs": {
+        "torch nothing applied": (_torchs_first_step_applied_nothing, (SEED,)),
+        "nothing applied": (_scheduler_after_a_step_that_applied_nothing, (SEED,))},
 }
 
 
@@ -489,3 +561,12 @@ def test_optimizer_following_a_rewrapped_module_shares_ddp_and_its_buckets(launc
         assert max(out["diffs"]) < TOL, (rank, out)
         assert out["ddp"], "a wrapper that copied the optimizer's __dict__ still saw the retired DDP model"
         assert out["aliased"], "the optimizer stepped from a gradient copy of its own, not the newer buckets"
+
+
+def test_scheduler_after_a_step_that_applied_nothing_warns_as_torchs(launched):
+    for rank, (torchs, ours) in enumerate(zip(results_of(launched, "torch nothing applied"),
+                                              results_of(launched, "nothing applied"))):
+        assert torchs == [True, True], f"rank {rank}: torch's schedule warned {torchs} (skipped, refused)"
+        assert ours["skipped"] == (["no error", "RankMismatchError"], True), (rank, ours)
+        assert ours["refused"] == (["RankMismatchError"], True), (rank, ours)
+        assert ours["applied"] == (["no error"], False), (rank, ours)

@@ -6,7 +6,8 @@
   some of the parameters in stage 2: the norm and the trained parameters match torch DDP +
   torch's clip;
 * a float64 model under stage 2 with clipping: the norm and the parameters match torch's to
-  float64 precision (the norm and the clip coefficient are not rounded to float32);
+  float64 precision (the norm and the clip coefficient are not rounded to float32), also in the
+  step that a parameter unfrozen without DDP joins in;
 * ``FusedSGD`` with ``dampening`` given as a tensor, in float64: torch's update exactly;
 * a fused optimizer's float64 gradients clipped after ``GradScaler.unscale_`` (also a lazy
   one): torch's norm and update exactly (the coefficient is not rounded to float32).
@@ -107,6 +108,35 @@ def test_zero_stage2_float64_clip_matches_torch_to_float64_precision(launched):
     results_of(launched, "float64")
 
 
+def _float64_unfrozen_worker(rank, ws):
+    """A float64 model frozen whole at construction, its layers unfrozen one step apart, without
+    DDP: the step that a layer joins in is clipped by torch's norm in float64."""
+    import fusedist
+
+    base = _net(torch.float64).requires_grad_(False)
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.SGD, lr=0.1)
+    ref = torch.optim.SGD(theirs.parameters(), lr=0.1)
+    for step, layer in enumerate([2, 0]):
+        ours[layer].requires_grad_(True)
+        theirs[layer].requires_grad_(True)
+        x = _batch(0, step, torch.float64)  # the same batch on every rank: the gradients are synchronized
+        for model, optimizer in ((ours, opt), (theirs, ref)):
+            optimizer.zero_grad()
+            model(x).square().sum().backward()
+        got = opt.clip_grad_norm_(0.01)
+        want = nn.utils.clip_grad_norm_([p for p in theirs.parameters() if p.requires_grad], 0.01)
+        assert got.dtype == want.dtype == torch.float64
+        assert abs(got.item() - want.item()) <= 1e-13 * want.item(), (step, got.item(), want.item())
+        opt.step()
+        ref.step()
+        assert _diff(ours, theirs) < 1e-14, (step, _diff(ours, theirs))
+
+
+def test_zero_parameter_unfrozen_in_float64_is_clipped_by_torchs_float64_norm(launched):
+    results_of(launched, "float64 unfrozen")
+
+
 @pytest.fixture(scope="module")
 def launched(request):
     """The selected 2-rank cases in one launch (each builds its own models and optimizers)."""
@@ -114,6 +144,8 @@ def launched(request):
         "test_zero_clip_takes_every_norm_order_torch_takes": {
             f"every order {stage}": (_every_order_worker, (stage,)) for stage in (1, 2)},
         "test_zero_stage2_float64_clip_matches_torch_to_float64_precision": {"float64": (_float64_worker, ())},
+        "test_zero_parameter_unfrozen_in_float64_is_clipped_by_torchs_float64_norm": {
+            "float64 unfrozen": (_float64_unfrozen_worker, ())},
     }, 2, timeout=300)
 
 

@@ -22,6 +22,9 @@ seed is in every assertion message).
   spawn builds an optimizer again for the same model (stage 1 and 2, against torch's AdamW
   rebuilt alike): the model kept every optimizer built for it alive, with the hooks of its
   overlapped gathers, and a second stage-2 optimizer was refused.
+* One process: a step or clip compiled with ``fullgraph=True`` is refused with the reason it
+  runs eagerly; an inner torch optimizer built with ``fused=True`` steps under the GradScaler as
+  torch's does with torch's scaler (overflowed step skipped on the device).
 
 Tolerance: fp32 throughout, 1e-5 absolute on parameters of magnitude ~0.5 after at most 8
 steps. The two sides compute the same updates; they differ in the order gradients are summed
@@ -486,3 +489,51 @@ def test_positional_arguments_as_torch():
                 if p.kind == p.POSITIONAL_OR_KEYWORD][:4]
 
     assert positional(fusedist.ZeroRedundancyOptimizer) == positional(TorchZeRO)
+
+
+@pytest.mark.parametrize("call", ["step", "clip"])
+def test_fullgraph_compile_of_a_step_or_clip_names_why_it_runs_eagerly(call):
+    """Under ``fullgraph=True`` dynamo refuses the graph break at the step (torch's
+    ZeroRedundancyOptimizer.step breaks the graph too); its error gives the reason and the way
+    out, not only "Remove the `torch.compiler.disable` call"."""
+    import fusedist
+
+    model = nn.Linear(3, 2)
+    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    torch._dynamo.reset()
+    body = (lambda: opt.step()) if call == "step" else (lambda: opt.clip_grad_norm_(1.0))
+    with pytest.raises(Exception) as caught:  # dynamo's error type differs between versions
+        torch.compile(body, backend="eager", fullgraph=True)()
+    text = str(caught.value)
+    what = "step() runs" if call == "step" else "clip_grad_norm_ runs"
+    assert f"fusedist.ZeroRedundancyOptimizer.{what} eagerly under torch.compile" in text, text
+    assert "outside the compiled function, or compile without fullgraph=True" in text, text
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
+def test_torch_fused_inner_optimizer_under_the_scaler_steps_as_torchs(optimizer_class):
+    """An inner torch optimizer built with ``fused=True`` takes the scaler's found-inf flag in its
+    step, and skips an overflowed step there; the flag was handed over with shape (1,) where
+    torch's scaler gives a 0-dim one, and every step failed ("output with shape [] doesn't match
+    the broadcast shape [1]")."""
+    import fusedist
+
+    torch.manual_seed(0)
+    ours, theirs = nn.Linear(4, 3), nn.Linear(4, 3)
+    theirs.load_state_dict(ours.state_dict())
+    kw = dict(lr=0.1, fused=True, **({"momentum": 0.9} if optimizer_class is torch.optim.SGD else {}))
+    opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), optimizer_class, **kw)
+    ref = optimizer_class(theirs.parameters(), **kw)
+    scaler, ref_scaler = fusedist.amp.GradScaler("cpu", init_scale=4.0), torch.amp.GradScaler("cpu", init_scale=4.0)
+    for step in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        for model, o, s in ((ours, opt, scaler), (theirs, ref, ref_scaler)):
+            o.zero_grad()
+            s.scale(model(x).square().sum() * (float("inf") if step == 1 else 1.0)).backward()
+            s.step(o)
+            s.update()
+        for p, q in zip(ours.parameters(), theirs.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+    assert scaler.get_scale() == ref_scaler.get_scale()

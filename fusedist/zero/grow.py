@@ -137,7 +137,7 @@ def join_pending(zero, compare: bool = False, force: bool = False) -> None:
         trainable_check.settle(zero)  # an earlier step's verdict, kept on the device
     joining = pending(zero)
     if compared:
-        sharded = sorted(zero._trainable + joining)
+        sharded = _sharded_once_joined(zero, joining)
         if not trainable_check.conclude(zero, trainable_check.compare_own(zero, sharded), sharded, joining):
             return
     if joining:
@@ -147,6 +147,11 @@ def join_pending(zero, compare: bool = False, force: bool = False) -> None:
 def pending(zero) -> list:
     """The parameters that wait to join: frozen when last sharded, trainable now."""
     return [i for i in zero._frozen if zero._params[i].requires_grad]
+
+
+def _sharded_once_joined(zero, joining: list) -> list:
+    """The parameter indices this rank shards once ``joining`` joined: the set the ranks compare."""
+    return sorted(zero._trainable + joining)
 
 
 def awaiting(zero) -> list:
@@ -188,7 +193,7 @@ def fingerprint_entries(zero) -> list:
         join_pending(zero)
         return []
     trainable_check.settle(zero)  # an earlier step's verdict, kept on the device
-    keys = trainable_check.keys(sorted(zero._trainable + pending(zero)))
+    keys = trainable_check.keys(_sharded_once_joined(zero, pending(zero)))
     return [float(k) for k in keys] + [float(k * k) for k in keys]
 
 
@@ -198,7 +203,7 @@ def check_fingerprint_sums(zero, sums: torch.Tensor) -> None:
     they differ, or keep the verdict on the device (Note [the comparison read without a
     synchronization] in trainable_check.py)."""
     joining = pending(zero)
-    sharded = sorted(zero._trainable + joining)
+    sharded = _sharded_once_joined(zero, joining)
     if trainable_check.conclude(zero, trainable_check.sums_differ(sums, zero.world_size), sharded, joining) \
             and joining:
         _join(zero, joining)

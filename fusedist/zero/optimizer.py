@@ -19,6 +19,8 @@ where they keep state of their own:
 * ``empty_params.py`` (:class:`EmptyParams`) -- the state of parameters with no elements, which
   no shard holds;
 * ``step_refusals.py`` -- what ``step()`` refuses before anything runs (its step hooks included);
+  ``step_flag.py`` -- what a step that applied nothing tells an LR scheduler; ``eager.py`` -- why
+  the step and the clip run eagerly under ``torch.compile``;
 * ``grow.py`` -- parameters joining after construction (``trainable_check.py``: the ranks compare
   them first); ``grad_sync.py`` -- the stage-2 reduce-scatter; ``offload.py`` -- ZeRO-Offload;
   ``join.py`` -- uneven inputs (its join hook).
@@ -33,9 +35,10 @@ from torch.optim import Optimizer
 
 from .._rank import this_rank
 from ..optim.elementwise import check_elementwise
-from . import copies, deferred_stage2, grad_sync, grow, param_checks, step_refusals, wiring
+from . import copies, deferred_stage2, grad_sync, grow, param_checks, step_flag, step_refusals, wiring
 from . import state as zstate
 from .empty_params import EmptyParams
+from .eager import eager_step
 from .factory import default_optimizer_class, optimizer_type
 from .gather import ParamGatherer
 from .grads import GradientsMixin
@@ -315,13 +318,21 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
     #     so the first compiled step failed on every rank inside the parameter all-gather
     #     ("Attempted to access unregistered member on an OpaqueObject"), where torch's
     #     ZeroRedundancyOptimizer steps. The step is disabled for dynamo: a compiled caller
-    #     breaks its graph around it, and the step runs eagerly, with the same numbers.
-    @torch.compiler.disable
+    #     breaks its graph around it, and the step runs eagerly, with the same numbers; under
+    #     fullgraph=True dynamo's refusal gives the reason (eager.py).
+    @eager_step
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """torch's ``step``: this optimizer's own refusals first, then the step hooks and the step
         (Note [a sharded optimizer's refusals before the step hooks] in step_refusals.py)."""
-        step_refusals.refuse_first(self, grad_scaler)
-        return self._hooked_step() if closure is None else self._hooked_step(closure)
+        mark = step_flag.take(self)  # Note [a refused or skipped sharded step and the LR scheduler]
+        try:
+            step_refusals.refuse_first(self, grad_scaler)
+            loss = self._hooked_step() if closure is None else self._hooked_step(closure)
+        except BaseException:
+            step_flag.undo(self, mark)
+            raise
+        step_flag.redecide(self, mark)
+        return loss
 
     step.hooked = True  # (torch's step hooks run in _hooked_step, after the refusals above)
 

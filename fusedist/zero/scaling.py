@@ -17,7 +17,8 @@ import torch
 
 from ..optim._scaler_protocol import ScalerProtocol
 from ..optim.grad_norms import flag_nan, norm_result_dtype, tensor_norms, unflag_nan
-from . import grow, trainable_check
+from . import grow, step_flag, trainable_check
+from .eager import eager_clip
 
 
 class ZeroScalerProtocol(ScalerProtocol):
@@ -62,9 +63,12 @@ class ZeroScalerProtocol(ScalerProtocol):
     def _norm_dtype(self) -> torch.dtype:
         """The dtype the global norms are taken and all-reduced in, the same on every rank: fp32,
         or fp64 where a parameter is fp64 (torch's clip measures fp64 gradients in fp64, and an
-        fp32 norm left the clip coefficient of an fp64 model 1e-8 from torch's)."""
+        fp32 norm left the clip coefficient of an fp64 model 1e-8 from torch's). The parameters
+        waiting to join at this step's comparison count too: their gradients are in this step's
+        norm (Note [parameters join after the comparison] in trainable_check.py)."""
         wide = (torch.float64, torch.complex128)
-        return torch.float64 if any(p.dtype in wide for p in self._trainable_params()) else torch.float32
+        params = self._trainable_params() + [self._params[i] for i in grow.awaiting(self)]
+        return torch.float64 if any(p.dtype in wide for p in params) else torch.float32
 
     def _fusedist_reduce_found_inf_and_norm(self, found_inf: torch.Tensor, sumsq: torch.Tensor,
                                             fingerprint: Sequence[float] = ()):
@@ -94,6 +98,21 @@ class ZeroScalerProtocol(ScalerProtocol):
         super()._fusedist_clear_protocol()
         self._sharded_compared = False
 
+    def _fusedist_step_ran(self, recorded):
+        """The scaler protocol's decision, remembered for the step to take up again (Note [a
+        refused or skipped sharded step and the LR scheduler] in step_flag.py)."""
+        decided = super()._fusedist_step_ran(recorded)
+        step_flag.remember(self, recorded, decided, self.found_inf)
+        return decided
+
+    def _fusedist_step_ran_given(self, recorded, found: Optional[torch.Tensor]):
+        """The scaler protocol's decision had the step's found-inf flag been ``found``."""
+        saved, self.found_inf = self.found_inf, found
+        try:
+            return super()._fusedist_step_ran(recorded)
+        finally:
+            self.found_inf = saved
+
     def _fusedist_has_grads(self) -> bool:
         # Stage 2: whether a synchronized backward left shards (the same on every rank).
         grow.join_pending(self)  # (see _fusedist_check_and_norm)
@@ -117,7 +136,7 @@ class ZeroScalerProtocol(ScalerProtocol):
             return self._local_grads()
         return [p.grad for p in self._trainable_params() if p.grad is not None]
 
-    @torch.compiler.disable  # (Note [a compiled step runs eagerly] in optimizer.py)
+    @eager_clip  # (Note [a compiled step runs eagerly] in optimizer.py)
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -253,7 +272,7 @@ class ZeroScalerProtocol(ScalerProtocol):
             if found is None:
                 inner.step()
             elif getattr(inner, "_step_supports_amp_scaling", False):
-                inner.grad_scale, inner.found_inf = None, found.reshape(1).float()
+                inner.grad_scale, inner.found_inf = None, found.reshape(()).float()  # (0-dim, as torch's scaler gives)
                 try:
                     inner.step()
                 finally:

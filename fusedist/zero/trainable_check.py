@@ -48,7 +48,10 @@ Note [the comparison read without a synchronization]
     nothing, as for an inf), and every rank reads it at the next step's first comparison point,
     long after it landed (a copy to the host and an event: no wait for later work), and raises
     the same RankMismatchError there. (An inner optimizer that cannot take a found-inf flag on
-    the device is skipped through a host read of the flag, as torch's GradScaler does.)
+    the device is skipped through a host read of the flag, as torch's GradScaler does: torch's
+    foreach and for-loop steps refuse one, "Expected grad_scale and found_inf to be None"; only
+    its ``fused=True`` steps take it.) A step skipped so counts as no step for an LR scheduler
+    (Note [a refused or skipped sharded step and the LR scheduler] in step_flag.py).
 """
 
 from __future__ import annotations

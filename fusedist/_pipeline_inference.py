@@ -100,9 +100,10 @@ Note [a loss without a target]
     ``eval(x)`` on the last stage's rank without ``target=`` raised torch's ``TypeError: 'NoneType' object
     is not subscriptable`` from the schedule's own code (told to every rank: Note [a failure told at the
     step's end] in _pipeline_step_status.py), which names neither the cause nor the fix. The last stage
-    checks that a schedule with a ``loss_fn`` got a target (read from the schedule's frame that runs the
-    step) in its shape inference and at its forward of micro-batch 0, and raises there, naming both; every
-    rank learns of it at once (Note [a shape inference that fails on one rank], or at the step's end).
+    checks that a schedule with a ``loss_fn`` got a target (recorded from the schedule's step: Note
+    [the targets a step was given] in _pipeline_schedule_step.py) in its shape inference and at its
+    forward of micro-batch 0, and raises there, naming both; every rank learns of it at once (Note [a shape
+    inference that fails on one rank], or at the step's end).
 
 Note [examples that need no gradient]
     torch's stage given its shapes (``input_args`` and ``output_args``: no shape inference) takes
@@ -126,7 +127,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import sys
 
 import torch
 import torch.distributed as dist
@@ -209,20 +209,13 @@ def check_target_given(stage) -> None:
     """Refuse a step without ``target=`` of a schedule with a ``loss_fn`` (Note [a loss without a target]),
     from the last stage's shape inference or its forward of micro-batch 0, where the failure reaches
     every rank."""
-    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from ._pipeline_schedule_step import targets_given
+    from ._pipeline_step_failures import last_schedule
 
-    frame = sys._getframe(1)
-    for _ in range(32):  # up to the schedule's frame that holds the step's micro-batch targets
-        frame = frame.f_back
-        if frame is None:
-            return
-        schedule = frame.f_locals.get("self")
-        if isinstance(schedule, _PipelineSchedule) and "target_mbs" in frame.f_locals:
-            break
-    else:
-        return
-    if frame.f_locals["target_mbs"] is not None or getattr(schedule, "_loss_fn", None) is None:
-        return
+    schedule = last_schedule(stage)
+    targets = targets_given(schedule)  # Note [the targets a step was given] (_pipeline_schedule_step.py)
+    if targets is None or targets[0] is not None or getattr(schedule, "_loss_fn", None) is None:
+        return  # (None: not in a schedule's step -- the stage driven by hand)
     call = "step" if getattr(schedule, "_has_backward", False) else "eval"
     raise RuntimeError(
         f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (the last, rank {stage.group_rank} of the "

@@ -18,12 +18,12 @@ Note [a first send that cannot be made, told upstream]
     is matched: every rank fails at once, naming the stage and its exception, and the process group stays
     usable. The step counts as one that raised (Note [a step that raised] in _pipeline_step_failures.py):
     every later step is refused, the fix is a restart. Armed where every stage is on a rank of its own
-    (``ScheduleGPipe``, ``Schedule1F1B``, ...); a schedule with several stages on a rank still leaves a rank
-    waiting for the timeout when all its stages are before the failing one. As the forward notice, it covers
-    micro-batch 0 of the first training step after a set-up (with shape inference, that step's failures are
-    the inference's: Note [a shape inference that fails on one rank]); a failure at a later micro-batch or
-    step, in a backward, or in a forward-only step is told at the step's end (Note [a failure told at the
-    step's end] in _pipeline_step_status.py).
+    (``ScheduleGPipe``, ``Schedule1F1B``, ...); with several stages on a rank a failure is told at the step's
+    end (Note [a failure told at the step's end, several stages per rank] in _pipeline_schedule_step.py). As
+    the forward notice, it covers micro-batch 0 of the first training step after a set-up (with shape
+    inference, that step's failures are the inference's: Note [a shape inference that fails on one rank]);
+    a failure at a later micro-batch or step, in a backward, or in a forward-only step is told at the step's
+    end (Note [a failure told at the step's end] in _pipeline_step_status.py).
 """
 
 from __future__ import annotations
@@ -119,11 +119,12 @@ def guard_first_loss(schedule) -> None:
             return original(stage, output, target_mbs, mb_index, *args, **kwargs)
         except Exception as e:
             if mb_index != 0 or not getattr(stage, "_back_notice_to", False):
-                from ._pipeline_step_status import fail_step, fails_here
+                from ._pipeline_step_status import fail_step, fails_here, received_zeros
 
                 if not fails_here(stage):  # Note [a failure told at the step's end] (_pipeline_step_status.py)
                     raise
-                raise RuntimeError(fail_step(stage, failure_message(stage, mb_index, e, "'s loss"))) from e
+                raise RuntimeError(fail_step(stage, failure_message(stage, mb_index, e, "'s loss"),
+                                             received_zeros(stage, mb_index, False))) from e
             message = failure_message(stage, 0, e, "'s loss")
             tell_upstream(stage, 0, message, told=False)
             raise RuntimeError(message) from e

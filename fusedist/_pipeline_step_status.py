@@ -18,11 +18,10 @@ Note [a failure told at the step's end]
       steps run to their end on the zeros: a failure one of them meets on them (a loss comparing shapes) is
       told the same way;
     - at each step's end (``perform_reduce_grad``, before the step counts as ended) every rank of the
-      pipeline takes part in one all-reduce of one integer: the lowest failing rank, or none. Only after a
-      failure, the failing rank broadcasts its message: every rank raises the same ``RuntimeError`` naming
-      the stage, its rank, the micro-batch (and whether its loss or backward) and the exception; the
-      failing rank's chains its own exception. Where several ranks failed, the lowest one's message is
-      raised (in the forward direction, a failure on the zeros comes after the one that sent them).
+      pipeline takes part in one all-reduce of one integer: which failing rank's message to tell, or none
+      (Note [the failure told, of several]). Only after a failure, that rank broadcasts its message: every
+      rank raises the same ``RuntimeError`` naming the stage, its rank, the micro-batch (and whether its
+      loss or backward) and the exception; the failing rank's chains its own exception.
     No rank's step ends: each counts as one that raised (Note [a step that raised] in
     _pipeline_step_failures.py), so no optimizer step follows on any rank, and each rank's next step is
     refused. A stage module no one reduces gets its gradients back as the step found them (the zeros were
@@ -33,13 +32,25 @@ Note [a failure told at the step's end]
     ~0.25 ms a step); ``FUSEDIST_CHECKS=0`` (on every rank) turns it off, and such a failure then reaches the
     other ranks at the group's timeout. Armed for the schedules with one stage per rank that end their steps
     in ``perform_reduce_grad`` (``ScheduleGPipe``, ``Schedule1F1B`` and their subclasses) over a group whose
-    every rank holds a stage, driven by the schedule's ``step``/``eval`` (not by hand). Not armed with several
-    stages per rank (interleaved, looped, V, zero-bubble schedules): completing a rank's messages there has to
-    follow the schedule's interleaving of its stages' messages to each peer, so a failure still reaches the
-    other ranks at the group's timeout (or, at micro-batch 0, through the forward notice). A failure in the
-    step's own communication, or outside the stage's forward, loss and backward (the schedule's own code), is
-    not covered; a shape inference that fails in a set-up, ``eval`` included, is told by the set-up itself
-    (Note [a shape inference that fails on one rank] in _pipeline_inference.py).
+    every rank holds a stage, driven by the schedule's ``step``/``eval`` (not by hand). With several stages
+    per rank (interleaved, looped, V, zero-bubble schedules) the rank's schedule step completes the messages
+    and exchanges, once per rank (Note [a failure told at the step's end, several stages per rank] in
+    _pipeline_schedule_step.py). A failure in the step's own communication, or outside the stage's forward,
+    loss and backward (the schedule's own code), is not covered; a shape inference that fails in a set-up,
+    ``eval`` included, is told by the set-up itself (Note [a shape inference that fails on one rank] in
+    _pipeline_inference.py).
+
+Note [the failure told, of several]
+    A failing stage sends zeros in place of its messages, and a stage receiving them may fail on them too
+    (a check of its inputs, a loss refusing a degenerate batch). The exchange told the lowest failing rank's
+    message, which could be the one failing on the zeros: with one stage per rank a stage after the cause
+    raised in the backward direction, with several stages per rank (stages 1 and 2 on ranks 1 and 0) in
+    either. So each failing rank also says whether the received inputs of the pass that failed (the
+    activations of its micro-batch; for a backward, or the gradients) were all zeros, and the integer
+    all-reduced (MAX) is ``size + (size - rank)`` for a failure on other inputs, ``size - rank`` for one on
+    all zeros, 0 for none: the lowest rank that failed on real inputs is told, else the lowest failing one.
+    A stage whose real inputs were all zeros counts as failing on zeros; that matters only where another
+    rank failed too. Read only after a failure: a step that does not fail reads nothing more.
 """
 
 from __future__ import annotations
@@ -56,7 +67,13 @@ from ._pipeline_step_failures import last_schedule, put_back_gradients
 
 def status_armed(stage) -> bool:
     """Whether the stage's step ends with the status exchange (the same answer on every rank of the
-    pipeline: Note [a failure told at the step's end])."""
+    pipeline: Note [a failure told at the step's end]), one stage per rank or several."""
+    return single_armed(stage) or several_armed(stage)
+
+
+def single_armed(stage) -> bool:
+    """Armed, one stage per rank: the stage completes its own messages, the exchange is at its
+    ``perform_reduce_grad``."""
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
 
     from .reliability.config import checks_enabled
@@ -68,6 +85,25 @@ def status_armed(stage) -> bool:
         return False
     ranks = getattr(stage, "stage_index_to_group_rank", None) or {}
     return len(set(ranks.values())) == len(ranks) == stage.num_stages == stage.group_size
+
+
+def several_armed(stage) -> bool:
+    """Armed, several stages per rank (a schedule run from its list of actions, interleaved, looped, V or
+    zero-bubble): the rank's schedule step completes its messages and exchanges once (Note [a failure told at
+    the step's end, several stages per rank] in _pipeline_schedule_step.py)."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    from .reliability.config import checks_enabled
+
+    if not checks_enabled():
+        return False
+    schedule = last_schedule(stage)
+    if not isinstance(schedule, _PipelineScheduleRuntime) or stage.group_size < 2:
+        return False
+    if not schedule.__dict__.get("_fusedist_step_wrapped", False):
+        return False
+    ranks = getattr(stage, "stage_index_to_group_rank", None) or {}
+    return len(ranks) == stage.num_stages and set(ranks.values()) == set(range(stage.group_size))
 
 
 def micro_batches(stage) -> int:
@@ -82,6 +118,7 @@ def began(stage, scheduled: bool) -> None:
     stage._fwd_recvs_made, stage._fwd_sends_made = set(), set()
     stage._bwd_recvs_made, stage._bwd_sends_made = set(), set()
     stage._status_told = not scheduled
+    stage._reduce_held = None  # (a division held back for the exchange: several stages per rank)
 
 
 def fails_here(stage) -> bool:
@@ -92,31 +129,41 @@ def fails_here(stage) -> bool:
     return True
 
 
-def fail_step(stage, message: str) -> str:
+def fail_step(stage, message: str, on_zeros: bool = False) -> str:
     """After the stage's forward, loss or backward raised: complete the step's messages, tell every rank;
-    the message every rank raises."""
+    the message every rank raises. ``on_zeros``: the inputs it failed on were all zeros (Note [the failure
+    told, of several]). With several stages per rank the rank's schedule step does both, once."""
+    if several_armed(stage):
+        last_schedule(stage)._fusedist_failure = (message, on_zeros)
+        return message
     works = _complete(stage)
-    failure = exchange(stage, message)
-    _put_back(stage)
-    try:  # bounded: a peer elsewhere may never take them
+    failure = exchange(stage, message, on_zeros)
+    put_back(stage)
+    wait_bounded(stage, works)
+    return failure or message
+
+
+def wait_bounded(stage, works: list) -> None:
+    """Wait for the posted messages, bounded: a peer elsewhere may never take them."""
+    try:
         for work in works:
             work.wait(timeout=datetime.timedelta(seconds=NOTICE_WAIT_S))
     except Exception:  # noqa: BLE001 - the failure being told of is the error to raise
         stage._status_works = works  # (kept alive with their tensors)
-    return failure or message
 
 
 def step_end_failure(stage):
-    """At the step's end: the failure another rank told of, or None (and None where not armed)."""
-    if getattr(stage, "_status_told", False) or not status_armed(stage):
+    """At the step's end: the failure another rank told of, or None (and None where not armed, or where
+    the rank's schedule step exchanges: several stages per rank)."""
+    if getattr(stage, "_status_told", False) or not single_armed(stage):
         return None
     failure = exchange(stage, None)
     if failure is not None:
-        _put_back(stage)
+        put_back(stage)
     return failure
 
 
-def _put_back(stage) -> None:
+def put_back(stage) -> None:
     """A stage module no one reduces gets its gradients back as the failed step found them (one fusedist or
     torch reduces keeps its sums, as does a step accumulating under the user's own switch: Note [a step that
     raised] in _pipeline_step_failures.py)."""
@@ -125,33 +172,56 @@ def _put_back(stage) -> None:
         put_back_gradients(stage, step)
 
 
-def exchange(stage, message):
-    """Every rank of the pipeline: the lowest failing rank's message, or None where none failed."""
+def exchange(stage, message, on_zeros: bool = False):
+    """Every rank of the pipeline: the message of the failure to tell, or None where none failed. One
+    integer, the MAX over the ranks: 0 where none failed, else the rank's priority (Note [the failure
+    told, of several])."""
     size, me = stage.group_size, stage.group_rank
-    flag = torch.tensor([size - me if message is not None else 0], dtype=torch.int64, device=stage.device)
+    priority = 0 if message is None else (size - me) + (0 if on_zeros else size)
+    flag = torch.tensor([priority], dtype=torch.int64, device=stage.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=stage.group)
     top = int(flag.item())
     if top == 0:
         return None
-    src = size - top
+    src = 2 * size - top if top > size else size - top
     buffer = (_notice(stage, _FAILED, message) if src == me
               else torch.zeros(NOTICE_BYTES, dtype=torch.uint8, device=stage.device))
     dist.broadcast(buffer, group_src=src, group=stage.group)
     return notice_failure(buffer)
 
 
+def received_zeros(stage, chunk: int, backward: bool) -> bool:
+    """Whether the received tensors a failing pass of micro-batch ``chunk`` read were all zeros -- what a
+    failing peer sends in place of its messages (Note [the failure told, of several]); read only after a
+    failure."""
+    groups = [(getattr(stage, "args_recv_info", None) or {}).get(chunk, ())]
+    if backward and not stage.is_last:
+        groups.append((getattr(stage, "grad_recv_info", None) or {}).get(chunk, ()))
+    return any(_all_zeros(group) for group in groups)
+
+
+def _all_zeros(infos) -> bool:
+    """Received tensors (torch's receive descriptors; a model input is none) that are all zeros."""
+    buffers = [getattr(i.buffer, "_local_tensor", i.buffer) for i in infos
+               if not getattr(i, "is_root_arg", True) and isinstance(getattr(i, "buffer", None), torch.Tensor)]
+    try:
+        return bool(buffers) and not any(bool(b.any()) for b in buffers if b.numel())
+    except Exception:  # noqa: BLE001 - a buffer that cannot be read counts as real input
+        return False
+
+
 def _complete(stage) -> list:
     """Post every receive and send (zeros) of the step that the stage has not made, in one batch."""
     n = micro_batches(stage)
     ops = [op for c in range(n) if c not in stage._fwd_recvs_made for op in stage.get_fwd_recv_ops(c)]
-    ops += [op for c in range(n) if c not in stage._fwd_sends_made for op in _zero_activations(stage, c)]
+    ops += [op for c in range(n) if c not in stage._fwd_sends_made for op in zero_activations(stage, c)]
     if stage.has_backward:
         ops += [op for c in range(n) if c not in stage._bwd_recvs_made for op in stage.get_bwd_recv_ops(c)]
-        ops += [op for c in range(n) if c not in stage._bwd_sends_made for op in _zero_gradients(stage, c)]
+        ops += [op for c in range(n) if c not in stage._bwd_sends_made for op in zero_gradients(stage, c)]
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _zero_activations(stage, chunk: int) -> list:
+def zero_activations(stage, chunk: int) -> list:
     """What the stage's sends of micro-batch ``chunk``'s activations would be, as zeros."""
     stage._fwd_sends_made.add(chunk)
     ops = notice_send_ops(stage, chunk)
@@ -163,7 +233,7 @@ def _zero_activations(stage, chunk: int) -> list:
     return ops
 
 
-def _zero_gradients(stage, chunk: int) -> list:
+def zero_gradients(stage, chunk: int) -> list:
     """What the stage's sends of micro-batch ``chunk``'s input gradients would be, as zeros (as torch's stage
     decides which to send)."""
     stage._bwd_sends_made.add(chunk)

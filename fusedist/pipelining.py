@@ -147,7 +147,9 @@ from ._pipeline_notice_back import (
     tell_upstream)
 from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain_weight_pass, _weight_pass, _weights
 from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, last_schedule, schedule_stepping
-from ._pipeline_step_status import began, fail_step, fails_here, micro_batches, status_armed, step_end_failure
+from ._pipeline_schedule_step import wrap_step
+from ._pipeline_step_status import (
+    began, fail_step, fails_here, micro_batches, received_zeros, several_armed, status_armed, step_end_failure)
 from ._pipeline_vote import backward_result, forward_vote
 from .fsdp.grad_view import ShardGrad
 
@@ -260,7 +262,17 @@ class PipelineStage(_TorchPipelineStage):
         except Exception as e:
             if not fails_here(self):  # Note [a failure told at the step's end] (_pipeline_step_status.py)
                 raise
-            raise RuntimeError(fail_step(self, failure_message(self, bwd_chunk_id, e, "'s backward"))) from e
+            raise RuntimeError(fail_step(self, failure_message(self, bwd_chunk_id, e, "'s backward"),
+                                         received_zeros(self, bwd_chunk_id, True))) from e
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        try:
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+        except Exception as e:
+            if not fails_here(self):  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+                raise
+            raise RuntimeError(fail_step(self, failure_message(self, bwd_chunk_id, e, "'s backward"),
+                                         received_zeros(self, bwd_chunk_id, True))) from e
 
     def forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
         try:  # Note [a first send that cannot be made] (_pipeline_inference.py)
@@ -270,7 +282,8 @@ class PipelineStage(_TorchPipelineStage):
             told = fwd_chunk_id == 0 and (getattr(self, "_notice_to", False) or getattr(self, "_back_notice_to", False))
             if not isinstance(e, PeerFailedFirstSend) and not (told and getattr(self, "_back_armed", False)) \
                     and fails_here(self):  # Note [a failure told at the step's end] (_pipeline_step_status.py)
-                raise RuntimeError(fail_step(self, failure_message(self, fwd_chunk_id, e))) from e
+                raise RuntimeError(fail_step(self, failure_message(self, fwd_chunk_id, e),
+                                             received_zeros(self, fwd_chunk_id, False))) from e
             message = send_failure(self, fwd_chunk_id, e)
             if isinstance(e, PeerFailedFirstSend):
                 raise RuntimeError(message) from None
@@ -354,16 +367,30 @@ class PipelineStage(_TorchPipelineStage):
             self._step, self._stepping = Step(), weakref.ref(schedule)
             if self.is_last:
                 guard_first_loss(schedule)  # Note [a first send that cannot be made, told upstream]
+            wrap_step(schedule)  # Note [the targets a step was given] (_pipeline_schedule_step.py)
         began(self, schedule is not None)  # Note [a failure told at the step's end] (_pipeline_step_status.py)
         super().clear_runtime_states()
 
     def perform_reduce_grad(self, grad_scale_factor: int):
+        if several_armed(self):  # Note [a failure told at the step's end, several stages per rank]
+            if getattr(self, "_plain_stage", False):  # (a division only: after the rank's exchange)
+                self._reduce_held = grad_scale_factor
+                return
+            return super().perform_reduce_grad(grad_scale_factor)
         failure = step_end_failure(self)  # Note [a failure told at the step's end] (_pipeline_step_status.py)
         if failure is not None:
             raise RuntimeError(failure)
         if getattr(self, "_step", None) is not None:  # the step's messages are all exchanged
             self._step.end()
         super().perform_reduce_grad(grad_scale_factor)
+
+    def _step_told_ended(self) -> None:
+        """No rank failed in the step (several stages per rank): the division held back, the step's end."""
+        factor, self._reduce_held = getattr(self, "_reduce_held", None), None
+        if factor is not None:
+            super().perform_reduce_grad(factor)
+        if getattr(self, "_step", None) is not None:
+            self._step.end()
 
     def scale_grads(self, grad_scale_factor: int) -> None:
         """torch's division of the step's gradients by the micro-batch count, also of those a

@@ -134,6 +134,66 @@ def test_eval_without_a_target_on_a_schedule_with_a_loss_fails_every_rank_at_onc
         assert seconds < 20 and total == WORLD, (rank, seconds, total)
 
 
+class _LastStage:
+    """What the last stage's target check reads of a stage: its index, rank, and the schedule stepping it."""
+
+    stage_index, group_rank, is_last = 2, 0, True
+
+
+class _Schedule:
+    """A schedule whose step runs the last stage's target check, as torch's does in its shape inference and
+    its micro-batch 0 forward; ``_step_microbatches`` takes its targets under ``target_mbs``, as torch's."""
+
+    _loss_fn, _has_backward = staticmethod(_mse), False
+
+    def __init__(self, stage):
+        self.stage = stage
+
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
+                           loss_kwargs=None):
+        from fusedist._pipeline_inference import check_target_given
+
+        check_target_given(self.stage)
+
+
+class _RenamedTargets(_Schedule):
+    """A schedule (a torch release, say) whose ``_step_microbatches`` names the targets otherwise."""
+
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, targets=None, losses=None, return_outputs=True,
+                           loss_kwargs=None):
+        return super()._step_microbatches(arg_mbs, kwarg_mbs, targets, losses, return_outputs, loss_kwargs)
+
+
+def test_the_target_check_reads_the_steps_argument_and_refuses_a_step_without_it():
+    """Note [the targets a step was given] (fusedist/_pipeline_schedule_step.py): the check read the
+    ``target_mbs`` local of the schedule's frame; under a schedule whose ``_step_microbatches`` names the
+    targets otherwise, it found none and turned itself off silently. Now the wrapped step records its
+    ``target_mbs`` argument: a step without targets is refused naming the fix, one with them runs, nothing
+    is checked outside a step, and a ``_step_microbatches`` without ``target_mbs`` is refused at once, naming
+    it (the check would be off), where the schedule has a loss_fn."""
+    import weakref
+
+    from fusedist._pipeline_inference import check_target_given
+    from fusedist._pipeline_schedule_step import wrap_step
+
+    stage = _LastStage()
+    schedule = _Schedule(stage)
+    stage._stepping = weakref.ref(schedule)
+    wrap_step(schedule)
+    with pytest.raises(RuntimeError, match=r"stage 2 \(the last, rank 0 of the pipeline's group\): schedule.eval"):
+        schedule._step_microbatches([()], [{}], None)
+    schedule._step_microbatches([()], [{}], [torch.zeros(1)])
+    schedule._step_microbatches([()], [{}], target_mbs=[torch.zeros(1)])
+    check_target_given(stage)  # (driven by hand: no step of the schedule running)
+    renamed = _RenamedTargets(stage)
+    stage._stepping = weakref.ref(renamed)
+    with pytest.raises(RuntimeError, match=r"_RenamedTargets._step_microbatches takes .*no 'target_mbs'"):
+        wrap_step(renamed)
+    renamed._loss_fn = None  # (no loss, nothing to check: its steps run)
+    wrap_step(renamed)
+    renamed._step_microbatches([()], [{}], None)
+
+
 @pytest.fixture(scope="module")
 def launched(request):
     seed = int(torch.randint(0, 10_000, ()).item())

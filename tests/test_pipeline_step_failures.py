@@ -26,6 +26,10 @@ fusedist/_pipeline_inference.py, fusedist/_pipeline_step_failures.py), on gloo:
 - Note [examples that need no gradient] (fusedist/_pipeline_inference.py): user-given examples made without
   ``requires_grad`` broke the first training step (a backward error on one rank, the other waiting); the
   pipeline now trains and evaluates as the unpipelined model.
+- Note [a failure told at the step's end, several stages per rank] (fusedist/_pipeline_schedule_step.py): with two
+  stages per rank (interleaved 1F1B, looped BFS, ZBV), a failing forward, backward or loss left the other rank
+  waiting for the group's timeout; every rank now raises at once, and Note [the failure told, of several]
+  (fusedist/_pipeline_step_status.py): the message told is the failure on real inputs, not one on the zeros sent.
 
 Tolerances: fp32 gradients of the same terms summed in another order (micro-batch means), 1e-6;
 the defects move them by 1e-2 or more.
@@ -673,6 +677,12 @@ def launched(request):
         "test_zeroed_gradients_are_not_copied_at_a_step": {"zeroed gradients": (_zeroed_gradients_worker, (seed,))},
         "test_a_step_after_one_that_raised_across_ranks_is_refused_on_every_rank": {
             "failed across ranks": (_failed_across_ranks_worker, (seed,))},
+        "test_a_failure_with_several_stages_per_rank_fails_every_rank_at_once": {
+            "several stages " + " ".join(map(str, case)): (_several_stages_failure_worker, (seed, *case))
+            for case in _SEVERAL},
+        "test_the_failure_told_is_the_one_on_real_inputs_not_one_on_the_zeros_sent": {
+            "several stages zeros": (_several_stages_failure_worker,
+                                     (seed, "ScheduleInterleaved1F1B", 1, "forward", 1, 2, False))},
     }
     return {"seed": seed, **launch_for_selected(request, jobs, 2, timeout=300)}
 
@@ -745,3 +755,171 @@ def test_the_set_aside_measures_gradients_of_several_devices_and_dtypes():
         if copy_ is not None:
             assert copy_ is not grad and copy_.dtype == grad.dtype
             assert torch.equal(copy_.nan_to_num(), grad.nan_to_num()), (grad, copy_)
+
+
+class _Breaking(nn.Module):
+    """A linear layer whose forward (or backward) raises at micro-batch ``fail_forward`` (``fail_backward``) of
+    a step, counted by ``calls``; with ``refuse_zeros``, whose forward raises on an input of all zeros (a
+    user's check of its activations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.calls, self.fail_forward, self.fail_backward, self.refuse_zeros = 0, None, None, False
+
+    def forward(self, x):
+        chunk, self.calls = self.calls, self.calls + 1
+        if chunk == self.fail_forward:
+            raise ValueError("the stage module broke")
+        if self.refuse_zeros and not bool(x.any()):
+            raise ValueError("its input was all zeros")
+        out = torch.tanh(self.lin(x))
+        if chunk == self.fail_backward:
+            out.register_hook(_broken_backward)
+        return out
+
+
+def _broken_backward(grad):
+    raise ValueError("the backward broke")
+
+
+def _breaking_at(chunk: int):
+    """A weight's gradient hook that raises at its ``chunk``-th call (counted from 0)."""
+    calls = iter(range(1 << 30))
+
+    def hook(grad):
+        if next(calls) == chunk:
+            raise ValueError("the weight's backward broke")
+
+    return hook
+
+
+def _stage_indices(schedule_name, rank, world_size):
+    """The stages rank ``rank`` holds: two per rank, looped (interleaved) or V-shaped (ZBV)."""
+    stages = 2 * world_size
+    return [rank, stages - 1 - rank] if schedule_name == "ScheduleZBVZeroBubble" else [rank, rank + world_size]
+
+
+def _several_stages(schedule_name, rank, world_size, modules, loss_fn):
+    from torch.distributed import pipelining
+
+    from fusedist.pipelining import PipelineStage
+
+    stages = [PipelineStage(modules[i], i, 2 * world_size, torch.device("cpu")) for i in sorted(modules)]
+    return stages, getattr(pipelining, schedule_name)(stages, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+
+
+def _several_stages_step(schedule, stages, x, y, evaluate=False):
+    run = schedule.eval if evaluate else schedule.step
+    kwargs = {"target": y} if any(s.is_last for s in stages) else {}
+    return run(x, **kwargs) if any(s.is_first for s in stages) else run(**kwargs)
+
+
+def _several_stages_failure_worker(rank, world_size, seed, schedule_name, bad_stage, where, chunk, zeros_stage,
+                                   evaluate):
+    """Two stages per rank; after a good step, stage ``bad_stage``'s forward, backward or the loss raises at
+    micro-batch ``chunk`` (``zeros_stage``: a stage whose forward refuses an all-zeros input): what each rank
+    raised and in how many seconds, whether the weights and gradients stayed as the step found them, whether
+    an all_reduce works, what the next step raised, and a fresh pipeline's difference from the unpipelined
+    model on the same group."""
+    torch.manual_seed(seed)
+    whole = nn.Sequential(*[_Breaking() for _ in range(2 * world_size)])
+    indices = _stage_indices(schedule_name, rank, world_size)
+    modules, losses = {i: copy.deepcopy(whole[i]) for i in indices}, {"calls": 0, "fail": None}
+
+    def loss_fn(out, target):
+        losses["calls"] += 1
+        if losses["calls"] - 1 == losses["fail"]:
+            raise ValueError("the loss broke")
+        return _mse(out, target)
+
+    stages, schedule = _several_stages(schedule_name, rank, world_size, modules, loss_fn)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+
+    def step():
+        for module in modules.values():
+            module.calls = 0
+        losses["calls"] = 0
+        return _several_stages_step(schedule, stages, x, y, evaluate)
+
+    step()
+    weights = [p.detach().clone() for m in modules.values() for p in m.parameters()]
+    grads = [None if p.grad is None else p.grad.clone() for m in modules.values() for p in m.parameters()]
+    if bad_stage in modules:
+        module = modules[bad_stage]
+        module.fail_forward = chunk if where == "forward" else None
+        module.fail_backward = chunk if where == "backward" else None
+        if where == "weight":  # (zero-bubble: the weight pass of the stage's micro-batch ``chunk``)
+            module.lin.weight.register_hook(_breaking_at(chunk))
+        losses["fail"] = chunk if where == "loss" else None
+    if zeros_stage in modules:
+        modules[zeros_stage].refuse_zeros = True
+    began = time.monotonic()
+    raised = _refused(step)
+    seconds = time.monotonic() - began
+    now = [p for m in modules.values() for p in m.parameters()]
+    kept = all(torch.equal(a, p) for a, p in zip(weights, now)) and all(
+        (g is None and p.grad is None) or (g is not None and p.grad is not None and torch.equal(g, p.grad))
+        for g, p in zip(grads, now))
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    again = _refused(step)
+    fresh = {i: copy.deepcopy(whole[i]) for i in indices}
+    fresh_stages, fresh_schedule = _several_stages(schedule_name, rank, world_size, fresh, _mse)
+    _several_stages_step(fresh_schedule, fresh_stages, x, y)
+    for xm, ym in zip(x.chunk(MICRO_BATCHES), y.chunk(MICRO_BATCHES)):
+        (_mse(whole(xm), ym) / MICRO_BATCHES).backward()
+    diff = max(float((p.grad - q.grad).abs().max()) for i in indices
+               for p, q in zip(fresh[i].parameters(), whole[i].parameters()))
+    return raised, seconds, kept, float(total), again, diff
+
+
+# (schedule, failing stage, where, micro-batch, a stage refusing zeros, eval steps; torch's ZBV runs no eval):
+# stages 0, 2 on rank 0 and 1, 3 on rank 1 (interleaved, looped); 0, 3 and 1, 2 (ZBV, a V)
+_SEVERAL = [("ScheduleInterleaved1F1B", 1, "forward", 2, None, False),
+            ("ScheduleInterleaved1F1B", 2, "backward", 1, None, False),
+            ("ScheduleInterleaved1F1B", 3, "loss", 3, None, False),
+            ("ScheduleZBVZeroBubble", 2, "backward", 0, None, False),
+            ("ScheduleZBVZeroBubble", 1, "weight", 2, None, False),
+            ("ScheduleLoopedBFS", 1, "forward", 3, None, True)]
+
+
+@pytest.mark.parametrize("case", _SEVERAL, ids=["-".join(map(str, case)) for case in _SEVERAL])
+def test_a_failure_with_several_stages_per_rank_fails_every_rank_at_once(case, launched):
+    """Note [a failure told at the step's end, several stages per rank] (fusedist/_pipeline_schedule_step.py):
+    with two stages per rank (interleaved 1F1B, looped BFS, ZBV zero-bubble), a stage's forward, its backward
+    (a zero-bubble weight pass too) or the last stage's loss raising left the other rank waiting for the process
+    group's timeout (30 s here). Now every rank raises within 5 s the same message naming the stage, its rank,
+    the micro-batch (and loss or backward) and the exception; the weights and gradients are as the step found
+    them (nothing divided or applied); the group works; the next step is refused; a fresh pipeline on the group
+    gives the unpipelined model's gradients (fp32, micro-batch means summed in another order: 1e-6; a message
+    left unmatched would pair other micro-batches' tensors, 1e-2 off or more)."""
+    schedule_name, bad_stage, where, chunk, *_ = case
+    results = results_of(launched, "several stages " + " ".join(map(str, case)))
+    bad_rank = next(r for r in range(2) if bad_stage in _stage_indices(schedule_name, r, 2))
+    broke = {"forward": "the stage module broke", "backward": "the backward broke", "loss": "the loss broke",
+             "weight": "the weight's backward broke"}[where]
+    part = {"forward": "", "backward": "'s backward", "loss": "'s loss", "weight": "'s backward"}[where]
+    told = (f"stage {bad_stage} (rank {bad_rank} of the pipeline's group) failed at micro-batch {chunk}{part}: "
+            f"ValueError: {broke}")
+    assert len({raised for raised, *_ in results}) == 1, results
+    for rank, (raised, seconds, kept, total, again, diff) in enumerate(results):
+        assert raised is not None and told in raised, (rank, raised)
+        assert seconds < 5 and kept and total == 2, (rank, seconds, kept, total)
+        assert again is not None and "the previous step raised before its end" in again, (rank, again)
+        assert diff < 1e-6, (launched["seed"], rank, diff)
+
+
+def test_the_failure_told_is_the_one_on_real_inputs_not_one_on_the_zeros_sent(launched):
+    """Note [the failure told, of several] (fusedist/_pipeline_step_status.py): stage 1 (rank 1) raises at
+    micro-batch 1's forward and sends zeros in place of its activations; stage 2 (rank 0) checks its inputs
+    and raises on the zeros. The lowest failing rank's message won: every rank raised stage 2's "input was
+    all zeros", not the cause. Now every rank raises stage 1's failure, within 5 s, and the group works."""
+    results = results_of(launched, "several stages zeros")
+    assert len({raised for raised, *_ in results}) == 1, results
+    for rank, (raised, seconds, kept, total, again, diff) in enumerate(results):
+        assert raised is not None and ("stage 1 (rank 1 of the pipeline's group) failed at micro-batch 1: "
+                                       "ValueError: the stage module broke") in raised, (rank, raised)
+        assert seconds < 5 and kept and total == 2 and again is not None, (rank, seconds, kept, total, again)
+        assert diff < 1e-6, (launched["seed"], rank, diff)

@@ -119,12 +119,12 @@ def guard_first_loss(schedule) -> None:
             return original(stage, output, target_mbs, mb_index, *args, **kwargs)
         except Exception as e:
             if mb_index != 0 or not getattr(stage, "_back_notice_to", False):
-                from ._pipeline_step_status import fail_step, fails_here, received_zeros
+                from ._pipeline_step_status import told_at_step_end
 
-                if not fails_here(stage):  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+                told = told_at_step_end(stage, mb_index, e, "'s loss", False)
+                if told is None:  # Note [a failure told at the step's end] (_pipeline_step_status.py)
                     raise
-                raise RuntimeError(fail_step(stage, failure_message(stage, mb_index, e, "'s loss"),
-                                             received_zeros(stage, mb_index, False))) from e
+                raise told from e
             message = failure_message(stage, 0, e, "'s loss")
             tell_upstream(stage, 0, message, told=False)
             raise RuntimeError(message) from e

@@ -60,7 +60,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from ._pipeline_inference import _FAILED, NOTICE_BYTES, NOTICE_WAIT_S, _notice, notice_failure, notice_send_ops
+from ._pipeline_inference import (
+    _FAILED, NOTICE_BYTES, NOTICE_WAIT_S, _notice, failure_message, notice_failure, notice_send_ops)
 from ._pipeline_notice_back import back_send_ops
 from ._pipeline_step_failures import last_schedule, put_back_gradients
 
@@ -127,6 +128,15 @@ def fails_here(stage) -> bool:
         return False
     stage._status_told = True
     return True
+
+
+def told_at_step_end(stage, chunk: int, error: Exception, where: str, backward: bool):
+    """The error a stage's pass raises where its failure is told at the step's end (the others learn
+    of it there); None where it is not, and the pass's own error stands."""
+    if not fails_here(stage):
+        return None
+    return RuntimeError(fail_step(stage, failure_message(stage, chunk, error, where),
+                                  received_zeros(stage, chunk, backward)))
 
 
 def fail_step(stage, message: str, on_zeros: bool = False) -> str:

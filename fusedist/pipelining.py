@@ -140,7 +140,7 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from ._pipeline_inference import (
     InferenceFailed, PeerFailedFirstSend, PeerInferenceFailed, activations_carry_gradients, arm_first_sends,
-    check_even_split, check_sent_outputs, check_shapes, check_stage_outputs, failing_inference, failure_message,
+    check_even_split, check_sent_outputs, check_shapes, check_stage_outputs, failing_inference,
     next_on_another_rank, notice_recv_ops, notice_send_ops, over_copied_buffers, read_notice, send_failure)
 from ._pipeline_notice_back import (
     PeerFailedFirstSendAfter, arm_back, back_recv_ops, back_send_ops, guard_first_loss, read_back_notice,
@@ -149,7 +149,7 @@ from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain
 from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, last_schedule, schedule_stepping
 from ._pipeline_schedule_step import wrap_step
 from ._pipeline_step_status import (
-    began, fail_step, fails_here, micro_batches, received_zeros, several_armed, status_armed, step_end_failure)
+    began, micro_batches, several_armed, status_armed, step_end_failure, told_at_step_end)
 from ._pipeline_vote import backward_result, forward_vote
 from .fsdp.grad_view import ShardGrad
 
@@ -260,19 +260,19 @@ class PipelineStage(_TorchPipelineStage):
         try:
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         except Exception as e:
-            if not fails_here(self):  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+            told = told_at_step_end(self, bwd_chunk_id, e, "'s backward", True)
+            if told is None:  # Note [a failure told at the step's end] (_pipeline_step_status.py)
                 raise
-            raise RuntimeError(fail_step(self, failure_message(self, bwd_chunk_id, e, "'s backward"),
-                                         received_zeros(self, bwd_chunk_id, True))) from e
+            raise told from e
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
         try:
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
         except Exception as e:
-            if not fails_here(self):  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+            told = told_at_step_end(self, bwd_chunk_id, e, "'s backward", True)
+            if told is None:  # Note [a failure told at the step's end] (_pipeline_step_status.py)
                 raise
-            raise RuntimeError(fail_step(self, failure_message(self, bwd_chunk_id, e, "'s backward"),
-                                         received_zeros(self, bwd_chunk_id, True))) from e
+            raise told from e
 
     def forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
         try:  # Note [a first send that cannot be made] (_pipeline_inference.py)
@@ -281,9 +281,8 @@ class PipelineStage(_TorchPipelineStage):
         except Exception as e:
             told = fwd_chunk_id == 0 and (getattr(self, "_notice_to", False) or getattr(self, "_back_notice_to", False))
             if not isinstance(e, PeerFailedFirstSend) and not (told and getattr(self, "_back_armed", False)) \
-                    and fails_here(self):  # Note [a failure told at the step's end] (_pipeline_step_status.py)
-                raise RuntimeError(fail_step(self, failure_message(self, fwd_chunk_id, e),
-                                             received_zeros(self, fwd_chunk_id, False))) from e
+                    and (failed := told_at_step_end(self, fwd_chunk_id, e, "", False)) is not None:
+                raise failed from e  # Note [a failure told at the step's end] (_pipeline_step_status.py)
             message = send_failure(self, fwd_chunk_id, e)
             if isinstance(e, PeerFailedFirstSend):
                 raise RuntimeError(message) from None

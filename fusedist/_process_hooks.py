@@ -13,7 +13,9 @@ fusedist reaches outside its own objects in a few places, and each is here:
   fusedist/ddp/trainable.py), and its module registration hook
   (``register_module_module_registration_hook``) for submodules added there the same way, and
   ``fully_shard``'s count of submodule registrations, the cheap part of its module tree's
-  fingerprint (Note [the tree's fingerprint] in fusedist/fsdp/tree_names.py);
+  fingerprint (Note [the tree's fingerprint] in fusedist/fsdp/tree_names.py), and to hear of
+  torch's DistributedDataParallel built over a fusedist wrapper or its module
+  (fusedist/ddp/torch_wrap.py);
 * a chained ``sys.excepthook``: an uncaught exception is published to the other ranks'
   stall reports before the process dies (fusedist/reliability/monitor.py), and one that ends
   a process whose communicator gave up does so right after the exit handlers, not at the

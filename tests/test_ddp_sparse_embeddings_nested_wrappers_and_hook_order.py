@@ -2,8 +2,11 @@
 (Note [sparse gradients] in fusedist/ddp/sparse.py; a complex weight's, against torch's DDP on
 its real twin: torch's DDP cannot reduce a complex sparse gradient on gloo), where the user's
 gradient hooks change after wrapping or step an optimizer inside backward (Note [the user's
-gradient hooks first] in fusedist/ddp/grad_hook.py), and where a wrapper is nested inside another
-(Note [a module wrapped again] in fusedist/ddp/wrapper.py). 2 gloo ranks.
+gradient hooks first] in fusedist/ddp/grad_hook.py), where a wrapper is nested inside another
+(Note [a module wrapped again] in fusedist/ddp/wrapper.py) or inside torch's DDP (Note [torch's DDP
+over a fusedist wrapper] in fusedist/ddp/torch_wrap.py), and where a Parameter or submodule is
+assigned into a wrapped module inside a compiled function (Note [assignments inside a compiled
+function] in fusedist/ddp/compiled_assignments.py). 2 gloo ranks.
 The two-rank scenarios share one launch of the ranks (``launched``)."""
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 import fusedist
 import models
+import test_ddp_module_changes_and_memory_format as module_changes
 from shared_rank_launch import launch_for_selected, results_of
 
 
@@ -203,16 +207,18 @@ def test_hook_swapped_after_wrapping_is_averaged_as_torch_ddp_does(launched):
         assert text is not None and "from inside a backward pass" in text and "after loss.backward()" in text, text
 
 
-def _train_nested(wrap, rank, double: bool):
-    """A wrapper nested inside another (``DDP(Sequential(DDP(a), tanh, b))``, or ``DDP(DDP(m))``):
-    three SGD steps with momentum; per-step gradients and the final weights."""
+def _train_nested(wrap, rank, double: bool, outer=None):
+    """A wrapper nested inside another (``DDP(Sequential(DDP(a), tanh, b))``, or ``DDP(DDP(m))``;
+    ``outer`` wraps the outside when given): three SGD steps with momentum; per-step gradients and
+    the final weights."""
+    outer = outer or wrap
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
     if double:
-        model = wrap(wrap(net))
+        model = outer(wrap(net))
     else:
         net[0] = wrap(net[0])
-        model = wrap(net)
+        model = outer(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     grads = []
     for step in range(3):
@@ -225,7 +231,8 @@ def _train_nested(wrap, rank, double: bool):
 
 
 def _nested_worker(rank, world_size):
-    return {double: (_train_nested(torch.nn.parallel.DistributedDataParallel, rank, double),
+    torch_ddp = torch.nn.parallel.DistributedDataParallel
+    return {double: (_train_nested(torch_ddp, rank, double),
                      _train_nested(fusedist.DistributedDataParallel, rank, double)) for double in (False, True)}
 
 
@@ -236,6 +243,106 @@ def test_wrapper_nested_inside_another_trains_as_torch_ddp(launched):
             assert got_names == want_names  # checkpoint names: every wrapper's "module." dropped
 
 
+def _torch_and_fusedist_worker(rank, world_size):
+    """torch's DDP built over a fusedist wrapper (``TorchDDP(DDP(m))``, ``TorchDDP(Sequential(DDP(a),
+    tanh, b))``), over the module of one (``TorchDDP(m)`` after ``DDP(m)``), and inside one
+    (``DDP(TorchDDP(m))``, ``DDP(Sequential(TorchDDP(a), tanh, b))``): against torch's DDP alone
+    (Note [torch's DDP over a fusedist wrapper], Note [torch's DDP inside a fusedist wrapper] in
+    fusedist/ddp/torch_wrap.py)."""
+    torch_ddp, ours = torch.nn.parallel.DistributedDataParallel, fusedist.DistributedDataParallel
+    out = {}
+    for double in (False, True):
+        want = _train_nested(torch_ddp, rank, double)[0]
+        out["torch over fusedist", double] = (want, _train_nested(ours, rank, double, outer=torch_ddp)[0])
+        out["fusedist over torch", double] = (want, _train_nested(torch_ddp, rank, double, outer=ours)[0])
+    out["fusedist over torch, unused"] = (
+        _train_nested(lambda m: torch_ddp(m, find_unused_parameters=True), rank, True)[0],
+        _train_nested(lambda m: torch_ddp(m, find_unused_parameters=True), rank, True, outer=ours)[0])
+    refusals = []
+    for inner in (lambda m: torch_ddp(m, static_graph=True), _with_fp16_hook):
+        refusals.append(models.error_text(lambda: ours(nn.Sequential(inner(nn.Linear(2, 2)))), RuntimeError))
+    torch.manual_seed(0)
+    wrapper = ours(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)))
+    out["torch over the module"] = (_train_nested(torch_ddp, rank, True, outer=lambda m: m)[0],
+                                    _train_nested(lambda m: wrapper.module, rank, True, outer=torch_ddp)[0])
+    forward = models.error_text(lambda: wrapper(torch.randn(2, 4)), RuntimeError)
+    return out, forward, refusals
+
+
+def _with_fp16_hook(module):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    wrapped = torch.nn.parallel.DistributedDataParallel(module)
+    wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    return wrapped
+
+
+def test_torch_ddp_and_a_fusedist_wrapper_nested_train_as_torch_ddp_alone(launched):
+    for rank, (out, forward, refusals) in enumerate(results_of(launched, "torch and fusedist")):
+        for case, (want, got) in out.items():
+            try:
+                models.assert_same_steps(want, got)
+            except AssertionError as error:
+                raise AssertionError(f"rank {rank}, {case}: {error}") from None
+        assert forward is not None and f"DistributedDataParallel (rank {rank}): this wrapper no longer reduces" \
+            in forward and "torch's DistributedDataParallel wrapped its module (of type Sequential)" in forward, forward
+        for text, why in zip(refusals, ("with static_graph=True", "with a communication hook registered")):
+            assert text is not None and f"(rank {rank}): the module holds torch's DistributedDataParallel at '0' " \
+                f"{why}" in text, text
+
+
+def _assign_compiled(path: str, make):
+    """A change that assigns ``make(module)`` to ``module.<path>`` inside a compiled function."""
+    owner_path, _, name = path.rpartition(".")
+
+    def change(module):
+        value = make(module)
+        owner = module.get_submodule(owner_path)
+
+        @torch.compile(backend="eager", fullgraph=True)
+        def assign(owner, x):
+            setattr(owner, name, value)
+            return x + 1
+
+        assign(owner, torch.zeros(1))
+    return change
+
+
+def _assigned_in_compiled(rank, world):
+    """Note [assignments inside a compiled function] in fusedist/ddp/compiled_assignments.py (after the
+    sparse scenario's compile: dynamo is warm)."""
+    torch._dynamo.reset()
+    out = {}
+    cases = {("parameter", True): ("fc.weight", lambda m: nn.Parameter(torch.ones(2, 4))),  # trained silently
+             ("parameter", False): ("fc.weight", lambda m: nn.Parameter(torch.ones(2, 4))),  # "a submodule deleted"
+             ("other names", False): (".fc", lambda m: nn.Sequential(nn.Linear(4, 2))),
+             ("identity", True): (".fc", lambda m: nn.Identity())}
+    for (case, find_unused), (path, make) in cases.items():
+        ddp = fusedist.DistributedDataParallel(module_changes.Net(), find_unused_parameters=find_unused)
+        torch.manual_seed(100 + rank)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        out[case, find_unused] = module_changes._steps(ddp, optimizer, rank, _assign_compiled(path, make))
+    # torch's DDP over the same change: the new Parameter trains on each rank's own gradient
+    ddp = nn.parallel.DistributedDataParallel(module_changes.Net(), find_unused_parameters=True)
+    _assign_compiled("fc.weight", lambda m: nn.Parameter(torch.ones(2, 4)))(ddp.module)
+    out["torch spread"] = module_changes._local_grad_spread(rank, world, ddp, ddp.module.fc.weight)
+    return out
+
+
+def test_assignment_inside_a_compiled_function_is_refused_naming_it(launched):
+    for rank, out in enumerate(results_of(launched, "assigned while compiled")):
+        assert out.pop("torch spread") > 0  # torch's DDP trains the new Parameter unsynchronized, silently
+        for (case, find_unused), text in out.items():
+            assert isinstance(text, str), (case, find_unused, "trained on")
+            assert f"(rank {rank}): parameters of the wrapped module were assigned after it was wrapped, inside a " \
+                "torch.compile'd function" in text, (case, find_unused, text)
+            named = {"parameter": "replaced by new Parameter objects: ['fc.weight']",
+                     "other names": "added: ['fc.0.weight', 'fc.0.bias']",
+                     "identity": "removed with the submodule(s) ['fc'] replaced or set to None: "
+                                 "['fc.weight', 'fc.bias']"}
+            assert named[case] in text, (case, find_unused, text)
+
+
 # ---------------------------------------------------------------- the shared launch
 @pytest.fixture(scope="module")
 def launched(request):
@@ -244,6 +351,10 @@ def launched(request):
         "test_sparse_embedding_gradients_are_averaged_as_torch_ddp_does": {"sparse": (_sparse_worker, ())},
         "test_hook_swapped_after_wrapping_is_averaged_as_torch_ddp_does": {"swapped hook": (_swapped_hook_worker, ())},
         "test_wrapper_nested_inside_another_trains_as_torch_ddp": {"nested": (_nested_worker, ())},
+        "test_torch_ddp_and_a_fusedist_wrapper_nested_train_as_torch_ddp_alone": {
+            "torch and fusedist": (_torch_and_fusedist_worker, ())},
         "test_sparse_gradients_under_compile_of_the_wrapper_are_refused": {
             "sparse compiled": (_sparse_compiled_worker, ())},
+        "test_assignment_inside_a_compiled_function_is_refused_naming_it": {
+            "assigned while compiled": (_assigned_in_compiled, ())},
     }, 2, timeout=300)

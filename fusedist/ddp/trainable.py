@@ -97,6 +97,7 @@ import torch
 
 from .._process_hooks import install_module_registration_hook, install_parameter_registration_hook
 from ..ownership import register_data_parallel
+from . import compiled_assignments
 from .memory_format import check_memory_format
 from .module_tree import ModuleTree, rename_followed
 from .layout import append_buckets, converted_param, layout_of, sparse_gradient_error
@@ -132,6 +133,7 @@ class TrainableTracker:
         # without the registration hook since the last training forward.
         self.inserted: list[str] = []
         self.inserted_modules: list[str] = []
+        self.compiled = False  # Note [assignments inside a compiled function] in compiled_assignments.py
         follow_assignments(module, self)
         self.tree = ModuleTree(module)  # Note [submodules written without the registration hook]
         self.layout_flags = [p.requires_grad for p in self.params]
@@ -178,6 +180,8 @@ class TrainableTracker:
         """Handle the submodules registered without torch's registration hook, and rename the
         parameters after any change of the tree (Note [submodules written without the registration
         hook], Note [names follow the module] in module_tree.py); one flat comparison when none was."""
+        if compiled_assignments.any_noted():
+            compiled_assignments.replay()
         if self.tree.unchanged():
             return
         owner = self.owner()
@@ -262,6 +266,7 @@ class TrainableTracker:
                   (f"removed with the submodule(s) {self.removed_modules} replaced or set to None", self.removed))
         what = [f"{label}: {names[:10]}{' ...' if len(names) > 10 else ''}" for label, names in groups if names]
         who, module, when, redo = _words(self.owner(), reducer.comm.rank)
+        when += compiled_assignments.WHERE if self.compiled else ""
         return RuntimeError(
             f"{who}: parameters of the {module} were assigned {when}, or removed ({'; '.join(what)}), e.g. by "
             "load_state_dict(..., assign=True), module.weight = nn.Parameter(...), a submodule added "
@@ -311,7 +316,8 @@ _followed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # ``_followed``'s weak dict, which changes whenever a wrapped model is garbage-collected, and such a
 # forward recompiled at random (up to the recompile limit). The hooks do nothing while dynamo traces:
 # what a compiled region registers into is a container it built (no followed module); an assignment
-# into a wrapped module made inside a compiled function is not noted (make such changes outside it).
+# into a wrapped module made inside a compiled function is noted through a mark on the module (Note
+# [assignments inside a compiled function] in compiled_assignments.py).
 
 
 def follow_assignments(module, tracker: TrainableTracker) -> None:
@@ -330,6 +336,7 @@ def _follow_tree(module, ref, prefix: str) -> None:
         # (dropping the entries of wrappers that are gone: a module wrapped again and again)
         live = [entry for entry in _followed.get(sub, ()) if entry[0]() not in (None, tracker)]
         _followed[sub] = live + [(ref, prefix + name + "." if name else prefix)]
+        compiled_assignments.mark(sub)
 
 
 def _unfollow(modules, tracker) -> None:
@@ -360,7 +367,7 @@ def _current_entries(module) -> list:
 
 def _parameter_registered(module, name: str, param):
     if torch.compiler.is_compiling():  # (Note [registrations while dynamo traces])
-        return None
+        return compiled_assignments.note_traced(module, name, param, parameter=True)
     for tracker, prefix in _current_entries(module):
         tracker.note_assignment(prefix + name, param, module, name)
     return None  # the Parameter is registered unchanged
@@ -370,7 +377,7 @@ def _module_registered(module, name: str, submodule):
     """A submodule registered into a followed module: its Parameters are noted as assigned
     (those followed already under another name excepted) and its tree is followed."""
     if torch.compiler.is_compiling():  # (Note [registrations while dynamo traces])
-        return None
+        return compiled_assignments.note_traced(module, name, submodule, parameter=False)
     for tracker, prefix in _current_entries(module):
         _registered_into(tracker, module, prefix, name, submodule)
     return None  # the submodule is registered unchanged

@@ -31,6 +31,7 @@ from .reducer import Reducer
 from .sparse import SparseGradients, sparse_parameter_ids
 from .static_graph import ArrivalCounts
 from . import succession
+from . import torch_wrap
 from .torch_surface import TorchDDPSurface
 from .trainable import TrainableTracker
 from ..reliability import checks_enabled
@@ -211,6 +212,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self._superseded_by: Optional[str] = None
         self._nested = False  # inside a newer wrapper that reduces for it (Note [a module wrapped again])
         older = _supersede_owners([p for _, p in named], self)  # Note [a module wrapped again]
+        torch_wrap.quiet_torch_wrappers_inside(module, self.process_group, self.rank)  # (Note in torch_wrap.py)
         self.reducer = Reducer(
             [p for _, p in named], [n for n, _ in named], self.comm, self.config, self.device, self.timeline
         )
@@ -235,6 +237,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         self._join_config = _join.DISABLED  # set by a join context (Note [joined ranks] in join.py)
         self._join_state = None
         succession.take_over(older, self)  # Note [an optimizer over a module wrapped again] in succession.py
+        torch_wrap.listen()  # Note [torch's DDP over a fusedist wrapper] in torch_wrap.py
         # [reliability] bucket layouts compared across ranks when built and when rebuilt;
         # optimizer.step() misuse caught on the rank that makes it.
         if checks:

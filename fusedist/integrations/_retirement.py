@@ -5,10 +5,7 @@ wrapper retires at teardown] in ``lightning.py``)."""
 
 from __future__ import annotations
 
-import weakref
-
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
+from ..ddp.torch_wrap import retire_with
 from ._optimizer_swap import retire_successor, successors_over
 
 __all__ = ["retire", "retire_when_torch_wraps"]
@@ -45,48 +42,14 @@ def retire(ddp, optimizers) -> None:
 
 
 def retire_when_torch_wraps(ddp) -> None:
-    """Retire ``ddp``, and the optimizers swapped in over its module's parameters, at the first
-    forward of its module through a torch ``DistributedDataParallel`` (Note [a torch DDP over a
-    module set up before]). The hook holds ``ddp`` weakly, not the strategy (which the program may
-    have dropped), and comes off with the retirement; the hook of an earlier wrapper of the module
-    comes off here."""
-    module = ddp.module
-    earlier = _WATCHES.pop(module, None)
-    if earlier is not None:
-        earlier.remove()
-    watch = _TorchWrapWatch(ddp)
-    watch.handle = module.register_forward_pre_hook(watch)
-    _WATCHES[module] = ddp._fusedist_torch_wrap_hook = watch  # (off when the strategy retires it itself)
+    """Retire ``ddp``, and the optimizers swapped in over its module's parameters, when a torch
+    ``DistributedDataParallel`` is built over its module (Note [a torch DDP over a module set up
+    before]). Undone when the strategy retires it itself."""
+    ddp._fusedist_torch_wrap_hook = retire_with(ddp, _retire_for_torch)
 
 
-class _TorchWrapWatch:
-    """The forward pre-hook of :func:`retire_when_torch_wraps`. A copy of the module (deepcopy,
-    pickle) gets one that watches nothing: the copy has no fusedist wrapper."""
-
-    def __init__(self, ddp=None) -> None:
-        self.ddp, self.handle = None if ddp is None else weakref.ref(ddp), None
-
-    def __reduce__(self):
-        return _TorchWrapWatch, ()
-
-    def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-        self.handle = self.ddp = None
-
-    def __call__(self, module, args) -> None:
-        active = TorchDDP._active_ddp_module  # (torch sets it around its wrapper's module forward)
-        if self.ddp is None or active is None or getattr(active, "module", None) is not module:
-            return
-        wrapper = self.ddp()
-        self.remove()
-        if _WATCHES.get(module) is self:
-            del _WATCHES[module]
-        if wrapper is not None and wrapper.module is module and wrapper._superseded_by is None:
-            retire(wrapper, successors_over(module.parameters()))  # (those of another module train on)
-
-
-_WATCHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module -> its watch
+def _retire_for_torch(ddp) -> None:
+    retire(ddp, successors_over(ddp.module.parameters()))  # (those of another module train on)
 
 
 # Note [a torch DDP over a module set up before]
@@ -97,9 +60,9 @@ _WATCHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # module ->
 # saw a backward that its own forward had not started, and the kept optimizer forwarded to the
 # swapped-in one. (Unsharded, whether it was refused hung on whether the garbage collector had taken
 # the unreferenced wrapper yet; a stage-2 optimizer keeps its wrapper alive, and was refused always.)
-# Fabric's DDP in both places just trains on. The first forward of the module through
-# a torch DistributedDataParallel (torch marks its wrapper as active around that forward, on every
-# rank alike) now retires the fusedist wrapper and its swapped-in optimizers as strategy.teardown()
-# does: the kept optimizer takes its state back at its next step (a collective every rank reaches)
+# Fabric's DDP in both places just trains on. The construction of a torch DistributedDataParallel
+# over the module (on every rank alike: Note [torch's DDP over a fusedist wrapper] in
+# fusedist/ddp/torch_wrap.py) now retires the fusedist wrapper and its swapped-in optimizers as
+# strategy.teardown() does: the kept optimizer takes its state back at its next step (a collective every rank reaches)
 # and trains on as torch's. A forward through model.module of a live fusedist wrapper is no such
 # forward and is still refused at the step.

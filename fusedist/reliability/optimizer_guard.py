@@ -300,10 +300,10 @@ def _torch_ddp_advice(watch):
 # in torch's (a second experiment in one process, a library that wraps what it is given) steps
 # after a backward through torch's wrapper. The fusedist wrapper still owns the parameters, saw a
 # backward that its own forward did not start and calls it unsynchronized: the refusal blamed
-# no_sync() or model.module. It now names torch's wrapper and what to do. The wrapper is not
-# retired at torch's first forward here, as Fabric's strategy does (Note [a torch DDP over a module
-# set up before] in fusedist/integrations/_retirement.py): that takes a forward pre-hook on the
-# module, a call on every forward of the common path and a hook for torch.compile to trace.
+# no_sync() or model.module. It now names torch's wrapper and what to do. torch's DDP construction
+# now retires the fusedist wrapper (Note [torch's DDP over a fusedist wrapper] in
+# fusedist/ddp/torch_wrap.py); this refusal remains for torch's DDP over other ranks, over part of
+# the wrapper's parameters, or over a wrapper a ZeroRedundancyOptimizer follows.
 
 
 def _refuse_inside_backward(optimizer, watch) -> None:

@@ -321,9 +321,10 @@ class _Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 4)
+        self.act = nn.Tanh()
 
     def forward(self, x):
-        return torch.tanh(self.lin(x))
+        return self.act(self.lin(x))
 
 
 class _Stack(nn.Module):
@@ -394,8 +395,10 @@ def _replaced_refused(rank: int, world: int, seed: int) -> dict:
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(seed + rank))
     model(x).sum().backward()
     layers, blocks = model.layers, list(model.layers)
+    lin1, lin2 = blocks[1].lin, blocks[2].lin
 
     def refused(replace, restore) -> str:
+        model(x).sum().backward()  # (the tree as last seen: an earlier restore's registration is not this one's)
         replace()
         try:
             model(x).sum().backward()
@@ -413,11 +416,28 @@ def _replaced_refused(rank: int, world: int, seed: int) -> dict:
                         lambda: setattr(model, "layers", layers)),
         "inner": refused(lambda: setattr(blocks[0], "lin", nn.Linear(4, 4)),
                          lambda: setattr(blocks[0], "lin", blocks[0]._fs_state().unit.registrations[0][0][0])),
+        # (inside a unit, no registration: the spine reaches the modules holding the unit's parameters)
+        "inner direct": refused(lambda: blocks[1]._modules.__setitem__("lin", nn.Linear(4, 4)),
+                                lambda: blocks[1]._modules.__setitem__("lin", lin1)),
+        "inner shares": refused(lambda: blocks[2]._modules.__setitem__("lin", _sharing(blocks[2].lin)),
+                                lambda: blocks[2]._modules.__setitem__("lin", lin2)),
     }
     y = model(x)
     y.sum().backward()  # (a training step after the refusals)
     out["restored"] = float((y - ref(x)).detach().abs().max())
+    # a module holding none of the unit's parameters, replaced directly: followed, as in the unsharded model
+    blocks[1]._modules["act"] = ref.layers[1]._modules["act"] = nn.GELU()
+    y = model(x)
+    y.sum().backward()
+    out["act followed"] = float((y - ref(x)).detach().abs().max())
     return out
+
+
+def _sharing(lin):
+    """A new Linear holding ``lin``'s parameters (pieces of a unit)."""
+    new = nn.Linear(4, 4)
+    new.weight, new.bias = lin.weight, lin.bias
+    return new
 
 
 def _group_names(rank: int, world: int, seed: int) -> dict:
@@ -663,15 +683,19 @@ def test_tree_compared_by_fingerprint(launched):
 
 def test_replaced_sharded_submodule_refused_at_next_forward(launched):
     """A block given to fully_shard replaced by assignment or by a direct ``_modules`` write under its key,
-    the ModuleList holding the blocks replaced, a block's Linear replaced: the next forward is refused on
-    every rank naming the place (FSDP2 trains on silently, the new parameters unsharded and unreduced);
-    put back, the model's output is the unsharded model's (fp32, the same weights and ops: 1e-6)."""
+    the ModuleList holding the blocks replaced, a block's Linear replaced (by assignment, or by a direct write:
+    a new Linear, or one holding the unit's pieces, which failed on a shard-sized weight): the next forward is
+    refused on every rank naming the place (FSDP2 trains on silently, the new parameters unsharded and
+    unreduced); put back, the model's output is the unsharded model's (fp32, the same weights and ops: 1e-6).
+    A block's activation (no parameters) replaced directly is followed: the output is the unsharded model's."""
     for rank, out in enumerate(results_of(launched, "replaced")):
         for key, place, cls in (("block", "layers.1", "_Block"), ("direct", "layers.2", "_Block"),
-                                ("list", "layers", "ModuleList"), ("inner", "layers.0.lin", "Linear")):
+                                ("list", "layers", "ModuleList"), ("inner", "layers.0.lin", "Linear"),
+                                ("inner direct", "layers.1.lin", "Linear"), ("inner shares", "layers.2.lin", "Linear")):
             message = out[key]
             assert f"submodule '{place}' ({cls}) was replaced by a new {cls}" in message, (rank, key, message)
         assert out["restored"] <= 1e-6, (rank, out)
+        assert out["act followed"] <= 1e-6, (rank, out)
 
 
 def test_group_unit_parameters_named_from_the_root(launched):

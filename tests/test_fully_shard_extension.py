@@ -22,6 +22,9 @@ only rows that divide evenly (its contract hands the extension the unpadded shar
 float8 reference is FSDP2 with float8 gathers where those hold (every Linear with a bias, even
 rows), and elsewhere FSDP2 with float8 compute but bf16/fp32 gathers -- the same numbers in fp32,
 where casting the gathered weight equals gathering the cast shards (one amax, one scale).
+
+Sharing the 2-rank spawn: float8 and NF4 pieces answer FSDP2's DTensor names, as FSDP2's parameters
+do on the same mesh (Note [extension pieces read as DTensors] in fusedist/fsdp/extension_names.py).
 """
 
 from __future__ import annotations
@@ -172,7 +175,7 @@ def _rowwise_worker(rank, world, bf16, reshard_after_forward, accumulate):
     for k in a:
         torch.testing.assert_close(a[k], b[k], **CLOSE, msg=f"{k} differs from FSDP2's")
     # at rest the pieces keep the subclass, as FSDP2's local tensors do
-    assert type(ours[0].weight) is RowwiseInt8Weight
+    assert isinstance(ours[0].weight, RowwiseInt8Weight)
     assert ours[0].weight.shape == torch.chunk(torch.empty(26, 16), world)[rank].shape  # (FSDP2's chunk)
     # gathered: the int8 dequantization of the whole weight, exactly, not the weight itself
     ours[2].unshard()
@@ -395,6 +398,88 @@ def test_float8_precomputed_scales_are_the_gathers_own(two_ranks):
     _passed(two_ranks, "precompute")
 
 
+class _NF4Linear(nn.Module):
+    """A frozen NF4 weight (torchao's NF4Tensor, QLoRA's base weights) and a trainable bias."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        self.weight = nn.Parameter(to_nf4(torch.randn(d_out, d_in) / d_in ** 0.5), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(d_out))
+
+    def forward(self, x):
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, self.weight) + self.bias
+
+
+def _names_read(m) -> dict:
+    """What code written for FSDP2 reads of every parameter: its type, placements, mesh, and the
+    class and values of ``full_tensor()`` and ``to_local()`` (NF4: its dequantized values)."""
+    def values(t):
+        t = t.get_original_weight() if hasattr(t, "get_original_weight") else t
+        return torch.as_tensor(t).detach().clone() if type(t) is torch.Tensor else t._tensor.detach().clone()
+
+    out = {}
+    for name, p in m.named_parameters():
+        whole, local = p.full_tensor(), p.to_local()
+        out[name] = (p.placements, tuple(p.device_mesh.mesh.tolist()), type(whole).__name__, values(whole),
+                     type(local).__name__, tuple(local.shape), values(local))
+    return out
+
+
+def _extension_names_worker(rank, world):
+    """A float8 model's and an NF4 model's parameters read as FSDP2's DTensors, against FSDP2's on
+    the same mesh after the same steps; a copy is torchao's class; torchao's classes gain nothing."""
+    import copy
+    import io
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    read = {}
+    for ours in (True, False):
+        m, _ = _train_float8(ours, rank, world, True, 32, MixedPrecisionPolicy(), True, True)
+        torch.manual_seed(3)
+        q = nn.Sequential(_NF4Linear(128, 256), nn.ReLU(), _NF4Linear(256, 128))
+        for layer in (q[0], q[2], q):
+            (fusedist.fully_shard if ours else fully_shard)(layer, mesh=mesh)
+        square_loss_steps(q, torch.optim.SGD([p for p in q.parameters() if p.requires_grad], lr=0.1),
+                          [batch(s, rank, world, 128) for s in range(2)])
+        read[ours] = {**_names_read(m), **{f"nf4.{k}": v for k, v in _names_read(q).items()}}
+        if ours:
+            piece = m[0].weight
+            assert type(piece).__name__ == "WeightWithDynamicFloat8CastTensor", type(piece)
+            assert isinstance(piece, WeightWithDynamicFloat8CastTensor) and isinstance(piece, nn.Parameter)
+            buffer = io.BytesIO()
+            torch.save(piece, buffer)
+            buffer.seek(0)
+            for other in (copy.deepcopy(piece), torch.load(buffer, weights_only=True)):
+                assert type(other) is WeightWithDynamicFloat8CastTensor, type(other)
+                assert not hasattr(other, "full_tensor") and torch.equal(other._tensor, piece._tensor)
+    assert sorted(read[True]) == sorted(read[False]), (sorted(read[True]), sorted(read[False]))
+    for name, theirs in read[False].items():
+        mine = read[True][name]
+        assert mine[:3] == theirs[:3] and mine[4:6] == theirs[4:6], (name, mine[:6], theirs[:6])
+        torch.testing.assert_close(mine[3], theirs[3], **EXACT, msg=name)
+        torch.testing.assert_close(mine[6], theirs[6], **EXACT, msg=name)
+    return sorted(read[True])
+
+
+def test_extension_pieces_read_as_fsdp2_dtensors(two_ranks):
+    """Every parameter of a float8 model (torchao's float8 training weights) and of an NF4 model answers
+    ``placements``, ``device_mesh``, ``full_tensor()`` and ``to_local()`` as FSDP2's DTensor (were:
+    AttributeError on the float8 and NF4 weights): a float8 weight's ``full_tensor()`` is the plain
+    high-precision weight, its ``to_local()`` the float8 subclass over FSDP2's chunk; an NF4 weight's are
+    NF4Tensors, whole and FSDP2's chunk, holding the same values."""
+    _passed(two_ranks, "names")
+    names = two_ranks[0]["names result"]
+    assert {"0.weight", "4.weight", "nf4.0.weight", "nf4.2.weight"} <= set(names), names
+
+
 def _state_worker(rank, world, path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -447,7 +532,7 @@ def _state_worker(rank, world, path):
         for k in whole:
             torch.testing.assert_close(loaded[k].float(), whole[k], **EXACT, msg=f"{k} after DCP load")
         if ours:
-            assert type(target[0].weight) is RowwiseInt8Weight
+            assert isinstance(target[0].weight, RowwiseInt8Weight)
     dcp.save({"model": get_model_state_dict(target)}, checkpoint_id=path + "-fsdp2")
     back = shard(rowwise_model(), fusedist.fully_shard)
     sd = back.state_dict()
@@ -462,11 +547,11 @@ def _state_worker(rank, world, path):
     ref = shard(rowwise_model(), fully_shard, offload_policy=CPUOffloadPolicy(pin_memory=False))
     torch.testing.assert_close(steps(offloaded, fusedist.optim.FusedAdamW(offloaded.parameters(), lr=1e-2), range(3)),
                                steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), range(3)), **CLOSE)
-    assert type(offloaded[0].weight) is RowwiseInt8Weight
+    assert isinstance(offloaded[0].weight, RowwiseInt8Weight)
     # built on the meta device, materialized, loaded: trains as the model it was loaded from
     meta = shard(rowwise_model("meta"), fusedist.fully_shard)
     meta.to_empty(device="cpu")
-    assert type(meta[0].weight) is RowwiseInt8Weight and not meta[0].weight.is_meta
+    assert isinstance(meta[0].weight, RowwiseInt8Weight) and not meta[0].weight.is_meta
     fusedist.fsdp.load_full_state_dict(meta, whole)
     a = steps(meta, torch.optim.AdamW(meta.parameters(), lr=1e-2), (7, 8))
     b = steps(m, torch.optim.AdamW(m.parameters(), lr=1e-2), (7, 8))
@@ -636,7 +721,7 @@ def _two_rank_worker(rank, world, root):
         "float8": (_float8_worker,), "precompute": (_precompute_worker,),
         "state": (_state_worker, os.path.join(root, "state")),
         "dcp": (_optimizer_dcp_worker, os.path.join(root, "dcp")),
-        "rowwise": (_rowwise_worker, *ROWWISE_2),
+        "rowwise": (_rowwise_worker, *ROWWISE_2), "names": (_extension_names_worker,),
         "compiled": (_compiled_float8_worker,)})  # last: compiling leaves dynamo's caches behind
 
 

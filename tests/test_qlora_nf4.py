@@ -114,7 +114,7 @@ def _training_worker(rank, world):
         ref = shard(qlora_model(), fully_shard, reshard_after_forward=reshard_after_forward)
         # at rest: each rank holds its NF4 chunk (half the rows, half the codes), on the unit's shard
         piece = ours[0].weight
-        assert type(piece) is NF4Tensor and tuple(piece.shape) == (128, 128) and not piece.requires_grad
+        assert isinstance(piece, NF4Tensor) and tuple(piece.shape) == (128, 128) and not piece.requires_grad
         assert piece.quantized_data.numel() * world == plain[0].weight.quantized_data.numel()
         unit = fusedist.fsdp.state_dict.units_of(ours[0])[0]
         index = unit.fqns.index("weight")
@@ -156,7 +156,7 @@ def _training_worker(rank, world):
     before = full_of(ours, True)
     ours.double()
     piece = ours[0].weight
-    assert type(piece) is NF4Tensor and piece.dtype == torch.float32 and ours[0].lora_a.dtype == torch.float64
+    assert isinstance(piece, NF4Tensor) and piece.dtype == torch.float32 and ours[0].lora_a.dtype == torch.float64
     unit = fusedist.fsdp.state_dict.units_of(ours[0])[0]
     assert unit._aliases_shard(unit.fqns.index("weight"))
     after = full_of(ours, True)

@@ -19,7 +19,8 @@ an optimizer step outdated), ``holder``
 entry's ``full_tensor()`` and ``to_local()``, as FSDP2's DTensor entries have), ``dtensor_view`` (what
 else an entry answers as FSDP2's DTensor: ``placements``, ``device_mesh``, which shard is its own),
 ``param_view`` (the same names on the parameters, the pieces -- an ``nn.Parameter`` subclass -- where
-FSDP2's are DTensors), ``grad_view`` (and on the pieces' gradients), ``tree_names`` (units' paths that
+FSDP2's are DTensors), ``extension_names`` (the same names on torchao's float8 and NF4 pieces, through a
+subclass of their own class), ``grad_view`` (and on the pieces' gradients), ``tree_names`` (units' paths that
 follow a renumbering), ``replaced_modules`` (a module the units hold replaced after the first forward:
 refused),
 ``state_dict_hooks`` (the hooks that put those entries in ``state_dict()`` and take them back),

@@ -34,7 +34,9 @@ Note [parameters read as DTensors]
     is added to torch's foreach type lists (``torch.optim``'s and the clip's) as torch adds DTensor,
     so optimizers keep their foreach default. A conversion torch cannot make in place gives a piece
     a new plain ``nn.Parameter`` (``to_empty`` from the meta device): the unit makes it a
-    ``ShardParam`` as it adopts it (``as_piece``).
+    ``ShardParam`` as it adopts it (``as_piece``). An extension piece (torchao's float8 and NF4
+    weights) keeps its own class and answers the names through a subclass of it (Note [extension
+    pieces read as DTensors] in extension_names.py).
 
     What still differs: ``isinstance(p, DTensor)`` is False; ``type(p)`` is ``ShardParam``; ``p.shape``,
     ``p.numel()`` and ``p.size()`` are the piece's (FSDP2's are the whole parameter's: count parameters as
@@ -178,11 +180,16 @@ class ShardParam(nn.Parameter):
 
 def as_piece(p: torch.Tensor) -> torch.Tensor:
     """``p`` as a unit's piece: a plain ``nn.Parameter`` a conversion made becomes a ``ShardParam``
-    in place (same object, what the modules and an optimizer hold); any other tensor (an extension
-    subclass, already a ``ShardParam``) is left as it is."""
+    in place (same object, what the modules and an optimizer hold), an extension subclass (torchao's)
+    answers the same names through a subclass of its own (Note [extension pieces read as DTensors] in
+    extension_names.py); a ``ShardParam`` is left as it is."""
     if type(p) is nn.Parameter:
         list_for_foreach(ShardParam, optimizers=True)
         p.__class__ = ShardParam
+    elif hasattr(p, "fsdp_pre_all_gather"):
+        from .extension_names import answer_dtensor_names
+
+        answer_dtensor_names(p)
     return p
 
 

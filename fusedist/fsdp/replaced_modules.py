@@ -19,14 +19,25 @@ Note [a sharded submodule replaced]
     already there -- invisible to the fingerprint -- by the *spine*: the modules on the way from the
     root down to each module given to ``fully_shard``, whose children are compared by identity with
     those last seen at each forward of the root (a list compare per such parent, not a walk of the
-    tree; taken again when the tree changed). A direct write replacing a module inside a unit that
-    was not given to ``fully_shard`` (``block._modules["fc"] = ...``) is seen at the next full
-    comparison: the next registration anywhere, or ``check_consistency()``.
+    tree; taken again when the tree changed). Inside a unit, a direct write replacing a module that
+    holds a unit's parameter (``block._modules["fc"] = nn.Linear(...)``) is seen by its parent's
+    ``_modules`` dict itself: the root makes the dict of each module holding such a module a
+    ``WatchedChildren`` (a ``dict`` whose writes are counted into the fingerprint), so the next
+    forward compares the tree in full and refuses. Unrefused, the new Linear's parameters trained
+    unsharded on each rank, unreduced and outside the optimizer, and a new module given the unit's
+    own pieces (``new.weight = block.fc.weight``) failed in its forward on a shard-sized tensor.
+    Extending the spine down to those parents instead cost several times the fingerprint at every
+    forward (a dict read per module holding parameters); the watched dicts cost nothing until
+    written. A module holding none of a unit's parameters replaced this way
+    (``block._modules["act"] = nn.GELU()``) is followed, as before: the next forward runs the new
+    one, as the unsharded model would.
 """
 
 from __future__ import annotations
 
-__all__ = ["Spine", "Places", "check_replaced", "user_class_name"]
+__all__ = ["Spine", "Places", "WatchedChildren", "WRITES", "check_replaced", "watch_parents", "user_class_name"]
+
+WRITES = [0]  # writes into a WatchedChildren dict in the process (the tree's fingerprint reads it)
 
 
 class Spine:
@@ -55,6 +66,41 @@ class Spine:
         return True
 
 
+class WatchedChildren(dict):
+    """A module's ``_modules`` whose writes are counted in ``WRITES`` (a write under a key already
+    there changes no length: the tree's fingerprint sees the count instead)."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key, value) -> None:
+        dict.__setitem__(self, key, value)
+        WRITES[0] += 1
+
+    def update(self, *args, **kwargs) -> None:
+        dict.update(self, *args, **kwargs)
+        WRITES[0] += 1
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+
+def watch_parents(places: "Places", states: list) -> bool:
+    """Make ``_modules`` a ``WatchedChildren`` on each module holding a module that holds a parameter
+    of a unit of ``states`` (Note [a sharded submodule replaced]); whether any was made."""
+    made = False
+    for st in states:
+        if st.unit is None:
+            continue
+        for regs in st.unit.registrations:
+            for m, _ in regs:
+                where = places.of.get(id(m))
+                if where is not None and not isinstance(where[0]._modules, WatchedChildren):
+                    object.__setattr__(where[0], "_modules", WatchedChildren(where[0]._modules))
+                    made = True
+    return made
+
+
 class Places:
     """Where each module of the root's tree was when last seen: ``id -> (parent, key, module, path)``
     (it holds them: an id stays theirs while it is here)."""
@@ -78,8 +124,7 @@ def check_replaced(places: Places, roots: list, states: list) -> None:
         unit = st.unit
         if unit is None:
             continue
-        held = list(st.modules) + [m for regs in unit.registrations for m, _ in regs]
-        for m in held:
+        for m in held_modules(st):
             if id(m) in present or id(m) not in places.of:
                 continue
             top = places.of[id(m)]
@@ -89,6 +134,13 @@ def check_replaced(places: Places, roots: list, states: list) -> None:
             now = parent._modules.get(key)
             if now is not None and id(now) not in places.of:
                 _refuse(path, old, now, m, unit)
+
+
+def held_modules(st) -> list:
+    """The modules given to ``fully_shard`` for ``st``'s unit and those holding its parameters."""
+    if st.unit is None:
+        return list(st.modules)
+    return list(st.modules) + [m for regs in st.unit.registrations for m, _ in regs]
 
 
 def user_class_name(m) -> str:

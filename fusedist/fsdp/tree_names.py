@@ -35,10 +35,11 @@ Note [the tree's fingerprint]
     only when the fingerprint changed (a registration anywhere in the process is enough). What
     the fingerprint does not see: a direct write of a module under a key already present
     (``parent._modules["1"] = other``, no hook, same length) or a ``_modules`` dict replaced
-    without its old one changing. On the way from the root to a module given to ``fully_shard``
-    such a write is seen by the spine at the next forward (Note [a sharded submodule replaced] in
-    replaced_modules.py); elsewhere it is followed at the next full comparison -- the next
-    fingerprint change or ``check_consistency()``.
+    without its old one changing. Such a write is seen at the next forward on the way from the
+    root to a module given to ``fully_shard`` (by the spine) and where it replaces a module holding
+    a unit's parameters (its parent's ``_modules`` is a watched dict whose writes the fingerprint
+    counts: Note [a sharded submodule replaced] in replaced_modules.py); elsewhere it is followed
+    at the next full comparison -- the next fingerprint change or ``check_consistency()``.
 
 Note [a sharded unit removed]
     ``del model.blocks[1]`` after the first forward removes a unit from the root's tree. It stays
@@ -64,7 +65,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._process_hooks import install_module_registration_hook
 from ..ddp.module_tree import ModuleTree
-from .replaced_modules import Places, Spine, check_replaced
+from .replaced_modules import WRITES, Places, Spine, check_replaced, watch_parents
 
 __all__ = ["RootTree", "name_units", "param_path"]
 
@@ -88,12 +89,12 @@ class _Fingerprint:
 
     def __init__(self, trees: list):
         install_module_registration_hook("fully_shard module trees", _registered)
-        self.registrations = _REGISTRATIONS[0]
+        self.registrations = _REGISTRATIONS[0] + WRITES[0]
         self.dicts = [d for tree in trees for d in map(_CHILDREN, tree.modules())]
         self.lengths = list(map(len, self.dicts))
 
     def same(self) -> bool:
-        return self.registrations == _REGISTRATIONS[0] and list(map(len, self.dicts)) == self.lengths
+        return self.registrations == _REGISTRATIONS[0] + WRITES[0] and list(map(len, self.dicts)) == self.lengths
 
 
 class RootTree:
@@ -144,6 +145,8 @@ class RootTree:
     def _take_places(self, states: list) -> None:
         self.places = Places(self.modules)
         self.spine = Spine(self.places, states)
+        if watch_parents(self.places, states):  # (new dicts: the fingerprint reads their lengths)
+            self.fingerprint = _Fingerprint(self.trees)
 
 
 def name_units(states: list, names: dict) -> None:

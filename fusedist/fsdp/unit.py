@@ -98,7 +98,7 @@ from .buffers import BufferMixin
 from .pieces import PieceMixin
 from . import stale
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
-from .param_view import ShardParam
+from .param_view import ShardParam, as_piece
 
 
 class ShardedUnit(BufferMixin, PieceMixin):
@@ -225,7 +225,7 @@ class ShardedUnit(BufferMixin, PieceMixin):
             if piece.numel and not on_meta:
                 self.piece_view(i).copy_(self.piece_of_whole(i, p.detach()))
             view = self.piece_view(i) if self.ext[i] is None else self.ext[i].wrap(self.piece_view(i))
-            self.sharded.append(ShardParam(view, requires_grad=p.requires_grad))  # (param_view.py)
+            self.sharded.append(as_piece(ShardParam(view, requires_grad=p.requires_grad)))  # (param_view.py)
         self.unsharded = [None] * len(params)
         self._new_full()
         self.unsharded = [nn.Parameter(u, requires_grad=p.requires_grad) for u, p in zip(self.unsharded, params)]

@@ -41,6 +41,14 @@ def _labels_across_ranks(rank, world_size):
     comm.all_reduce(ours, op="max", tag=f"shadow of rank {rank}")
     dist.all_reduce(theirs, op=dist.ReduceOp.MAX)
     out["all_reduce"] = (ours, theirs, monitor.label_of(comm.last_seq))
+    # A broadcast from rank 1, rank 0 waiting past the delay at it: the variant is published and alike.
+    values = torch.randn(4, generator=g)
+    ours, theirs = values.clone(), values.clone()
+    if rank == 0:
+        time.sleep(0.6)
+    comm.broadcast(ours, src=1, tag="from the last rank")
+    dist.broadcast(theirs, src=1)
+    out["broadcast"] = (ours, theirs, monitor.variant_of(comm.last_seq))
     # A converted layer on the global batch, as torch's BatchNorm on the batches of every rank.
     from fusedist.nn import SyncBatchNorm
 
@@ -65,6 +73,31 @@ def _labels_across_ranks(rank, world_size):
         out["eval on one rank"] = ("no error", time.monotonic() - start)
     except CollectiveError as exc:
         out["eval on one rank"] = (str(exc), time.monotonic() - start)
+    # Note [reduce ops and roots in the divergence probe]: each on a group of its own (a verdict gives it up).
+    # A small all-reduce (the exchange) with max on rank 0, sum on rank 1; torch's gloo completes it, folding
+    # each element with one rank's op or the other's.
+    out["different reduce ops"] = _diverged_on_new_group(lambda c: c.all_reduce(
+        torch.randn(3, generator=g), op="max" if rank == 0 else "sum", tag="found inf"))
+    # A reduce-scatter (the exchange) with max on rank 0, sum on rank 1: each rank folded with its own op and
+    # went on with a result no rank asked for.
+    out["different reduce ops, reduce-scatter"] = _diverged_on_new_group(lambda c: c.reduce_scatter(
+        torch.empty(4), torch.randn(4 * world_size, generator=g), op="max" if rank == 0 else "sum"))
+    # A broadcast from each rank's own rank, through the exchange and through gloo's own broadcast (both hang
+    # until the timeout, as torch's does).
+    out["different sources"] = _diverged_on_new_group(lambda c: c.broadcast(torch.randn(4, generator=g), src=rank))
+    out["different sources, gloo's own"] = _diverged_on_new_group(
+        lambda c: c.broadcast(torch.randn(4, generator=g), src=rank, async_op=True), builtin=True)
+    # Note [the stall monitor from construction]: a layer held on another device than the CPU (meta stands in
+    # for CUDA here) asks for no communicator when it is built -- for CUDA that would be a collective.
+    import fusedist.nn.sync_batch_norm as sync_batch_norm
+
+    asked, ask = [], sync_batch_norm.get_communicator
+    sync_batch_norm.get_communicator = lambda group=None, device=None: asked.append(str(device)) or ask(group, device)
+    try:
+        SyncBatchNorm(4, device="meta"), SyncBatchNorm(4)
+    finally:
+        sync_batch_norm.get_communicator = ask
+    out["communicators asked for at construction"] = asked
     # Alike all-gathers (same sequence number, op and part size) of different units: they never pair.
     start = time.monotonic()
     try:
@@ -73,6 +106,31 @@ def _labels_across_ranks(rank, world_size):
     except CollectiveError as exc:
         out["diverged"] = (str(exc), time.monotonic() - start)
     return out
+
+
+def _diverged_on_new_group(collective, builtin: bool = False):
+    """Run ``collective(comm)`` on a new group's monitored communicator, and wait for the handle it returns:
+    (the error, seconds it took, whether the collective had ended a second later)."""
+    import torch.distributed as dist
+
+    from fusedist.comm import CollectiveError, TorchCommunicator, get_communicator
+    from fusedist.reliability import attach_monitor
+
+    group = dist.new_group([0, 1], backend="gloo")
+    comm = TorchCommunicator(group, gloo_collectives="builtin") if builtin else get_communicator(group)
+    attach_monitor(comm)
+    start, handle = time.monotonic(), None
+    try:
+        handle = collective(comm)
+        handle.wait()
+        message = "no error"
+    except CollectiveError as exc:
+        message = str(exc)
+    elapsed = time.monotonic() - start
+    work = handle._work if handle is not None else None
+    while work is not None and not work.is_completed() and time.monotonic() < start + elapsed + 1:
+        time.sleep(0.05)
+    return message, elapsed, work is None or work.is_completed()
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +145,29 @@ def test_healthy_exchanges_match_torch_and_record_labels_only_where_they_pair(re
         assert torch.equal(ours, theirs) and label == "unit A", (rank, label)
         ours, theirs, label = out["all_reduce"]
         assert torch.equal(ours, theirs) and label is None, (rank, label)
+        ours, theirs, variant = out["broadcast"]
+        assert torch.equal(ours, theirs) and variant == "from rank 1", (rank, variant)
+
+
+@pytest.mark.parametrize("case, named", [
+    ("different reduce ops", ["ranks [0] in all_reduce (op max) (collective #0, 3 x torch.float32 per rank)",
+                              "ranks [1] in all_reduce (op sum) (collective #0, 3 x torch.float32 per rank)"]),
+    ("different reduce ops, reduce-scatter", ["ranks [0] in reduce_scatter (op max)",
+                                              "ranks [1] in reduce_scatter (op sum)"]),
+    ("different sources", ["ranks [0] in broadcast (from rank 0)", "ranks [1] in broadcast (from rank 1)"]),
+    ("different sources, gloo's own", ["ranks [0] in broadcast (from rank 0)", "ranks [1] in broadcast (from rank 1)"]),
+])
+def test_alike_collectives_of_other_reduce_ops_or_roots_fail_every_rank_soon_after_the_delay(results, case, named):
+    """Note [reduce ops and roots in the divergence probe]: same sequence number, op and part size, another
+    reduce op or root -- they compared equal and waited out the collective timeout."""
+    for rank, (status, out) in enumerate(results):
+        assert status == "ok", out
+        message, elapsed, ended = out[case]
+        assert all(n in message for n in named), (rank, message)
+        assert "Stall report" in message and elapsed < 6, (rank, elapsed, message)
+        # Note [closing the connections of an abandoned collective] in fusedist/comm/torch_comm.py: gloo's own
+        # broadcast, abandoned, no longer stays queued until the group's timeout (the process could not end).
+        assert ended, rank
 
 
 def test_alike_collectives_under_different_labels_fail_every_rank_soon_after_the_delay(results):
@@ -108,6 +189,7 @@ def test_a_rank_that_never_trained_its_layer_is_told_apart_from_a_slow_one(resul
         # fp32 statistics merged over ranks vs one pass over the global batch: a few ulps apart
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours_var, theirs_var, rtol=1e-5, atol=1e-6)
+        assert out["communicators asked for at construction"] == ["cpu"], out["communicators asked for at construction"]
         message, elapsed = out["eval on one rank"]
         assert "sync_batch_norm" in message and "after eval" in message, (rank, message)
         assert "Stall report" in message and elapsed < 6, (rank, elapsed, message)
@@ -134,3 +216,45 @@ def test_labels_are_compared_only_where_every_rank_published_one():
     assert found == ("they wait in the same collective under different labels (whose messages never pair) -- "
                      "ranks [0] in all_gather 'a' (collective #3, 4 x torch.float32 per rank); ranks [1] in "
                      "all_gather 'b' (collective #3, 4 x torch.float32 per rank)"), found
+
+
+def test_variants_are_compared_only_where_every_rank_published_one():
+    """A reduce op or root differs only where each rank's entry names one (an entry from a refusal, or a
+    collective launched more than HISTORY collectives ago, has none)."""
+    def at(variant=None, op="all_reduce"):
+        entry = _entry(3, op, "3 x torch.float32")
+        if variant is not None:
+            entry["waiting_on"]["variant"] = variant
+        return entry
+
+    assert diverged({0: at("op max"), 1: at("op max")}) is None
+    assert diverged({0: at("op max"), 1: at()}) is None
+    assert diverged({0: at("op max"), 1: at("op sum")}) == (
+        "they wait in the same collective with different reduce ops -- ranks [0] in all_reduce (op max) (collective "
+        "#3, 3 x torch.float32 per rank); ranks [1] in all_reduce (op sum) (collective #3, 3 x torch.float32 per rank)")
+    found = diverged({0: at("from rank 0", "broadcast"), 1: at("from rank 1", "broadcast")})
+    assert found.startswith("they wait in the same collective from or to different roots -- "), found
+
+
+def test_a_failure_entry_keeps_the_part_of_the_collective_its_error_names(monkeypatch):
+    """A probe's verdict names its own collective (its error has a sequence number): the entry that replaces
+    the probe's keeps the part, as the probe's had it. Before, it dropped it, and a peer still probing read
+    that rank as waiting with no part -- "parts of different sizes" where the parts were alike."""
+    import datetime
+
+    from fusedist.comm.base import CollectiveError, CommHandle
+    from fusedist.reliability import monitor as monitor_module
+
+    class _Comm:
+        rank, world_size, timeout, last_seq, last_label = 0, 2, datetime.timedelta(seconds=20), 3, ""
+
+    entries = []
+    monkeypatch.setattr(monitor_module.stall_report, "exchange", lambda *args: entries.append(args[5]))
+    comm = _Comm()
+    monitor = monitor_module.CollectiveMonitor(comm)
+    handle = CommHandle(comm, None, op="all_reduce", tag="t", seq=3, timeout=comm.timeout)
+    handle.part, handle.variant = torch.ones(3), "op max"
+    monitor.on_launch(comm, handle)
+    monitor.on_failure(comm, handle, CollectiveError("cannot complete", op="all_reduce", tag="t", rank=0, seq=3))
+    waiting = entries[0]["waiting_on"]
+    assert (waiting["part"], waiting["variant"]) == ("3 x torch.float32", "op max"), waiting

@@ -25,6 +25,7 @@ import torch
 from ..distributed import bounded_timeout, collective_timeout, wait_timeout
 from .closed_connections import PeerClosedConnection
 from .checks import _overlaps, _row_numel, _tag, check_flat, check_in_place, check_op
+from .group_ranks import global_note, global_ranks
 from .sliced_wait import wait_probed
 
 _uids = itertools.count()
@@ -36,34 +37,6 @@ class CollectiveError(RuntimeError):
     def __init__(self, message: str, *, op: str = "", tag: str = "", rank: int = -1, seq: int = -1):
         super().__init__(message)
         self.op, self.tag, self.rank, self.seq = op, tag, rank, seq
-
-
-def global_ranks(comm) -> Optional[list]:
-    """The global rank of each position in ``comm``'s group where they differ from the
-    positions (a subgroup: ``new_group([2, 3])``, an HSDP mesh's shard or replicate group),
-    else None -- also where they cannot be looked up (the default group itself, a destroyed
-    one): an error message or a report never fails for want of them."""
-    group = getattr(comm, "group", None)
-    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return None
-    try:
-        ranks = [torch.distributed.get_global_rank(group, r) for r in range(comm.world_size)]
-    except Exception:  # noqa: BLE001 - see the docstring
-        return None
-    return ranks if ranks != list(range(comm.world_size)) else None
-
-
-def global_note(ranks: list, named: Optional[list]) -> str:
-    """' (global rank N)' / ' (global ranks [...])' to follow group positions ``ranks`` where
-    ``named`` (:func:`global_ranks`) says they differ, else '': on a subgroup "rank 1" alone
-    reads as global rank 1, a process of another group, not the one a user's logs and
-    launcher name."""
-    if not named:
-        return ""
-    mapped = [named[r] for r in ranks if r < len(named)]
-    if mapped == list(ranks):
-        return ""
-    return f" (global rank {mapped[0]})" if len(ranks) == 1 else f" (global ranks {mapped})"
 
 
 class CommHandle:
@@ -113,8 +86,10 @@ class CommHandle:
         self._error: Optional[BaseException] = None
         #: Launched with ``async_op=True`` (set by the launch): whether a wait may be sliced; and
         #: this rank's part (a tensor whose size every rank's must match; None for an all-to-all),
-        #: which the probe compares (Note [divergence probe] in fusedist/reliability/divergence.py).
-        self.async_op, self.part = False, None
+        #: which the probe compares (Note [divergence probe] in fusedist/reliability/divergence.py); and what
+        #: else every rank must pass alike -- the reduce op ("op max"), the root ("from rank 0") -- or None
+        #: (Note [reduce ops and roots in the divergence probe] there).
+        self.async_op, self.part, self.variant = False, None, None
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` inside ``wait()`` once the collective has completed (or now, if it has)."""
@@ -393,7 +368,7 @@ class Communicator(abc.ABC):
         check_op(op, "all_reduce", tensor.dtype, tag)
         check_flat("all_reduce", tag, self.rank, tensor=tensor)
         reduce = self._all_reduce_checked if parts_checked else self._all_reduce
-        return self._launch("all_reduce", tag, async_op, lambda: reduce(tensor, op), part=tensor)
+        return self._launch("all_reduce", tag, async_op, lambda: reduce(tensor, op), part=tensor, variant=f"op {op}")
 
     # Note [parts a caller checked]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -424,7 +399,7 @@ class Communicator(abc.ABC):
             )
         check_in_place("reduce_scatter", output, input, self.rank, self.world_size)
         return self._launch("reduce_scatter", tag, async_op, lambda: self._reduce_scatter(output, input, op), label,
-                            part=output)
+                            part=output, variant=f"op {op}")
 
     def all_gather(self, output, input, *, async_op: bool = False, tag: str = "",
                    label: Optional[str] = None) -> CommHandle:
@@ -444,7 +419,8 @@ class Communicator(abc.ABC):
         if not 0 <= src < self.world_size:
             raise ValueError(f"fusedist broadcast{_tag(tag)}: src={src} {self._outside_group()}")
         check_flat("broadcast", tag, self.rank, tensor=tensor)
-        return self._launch("broadcast", tag, async_op, lambda: self._broadcast(tensor, src), part=tensor)
+        return self._launch("broadcast", tag, async_op, lambda: self._broadcast(tensor, src), part=tensor,
+                            variant=f"from rank {src}")
 
     def gather(self, output, input, dst: int = 0, *, async_op: bool = False, tag: str = "") -> CommHandle:
         """Rank ``dst`` receives every rank's ``input`` into ``output`` (``world_size x input``,
@@ -461,7 +437,8 @@ class Communicator(abc.ABC):
                 f"fusedist gather{_tag(tag)}: output has {output.numel()} elements, expected "
                 f"world_size ({self.world_size}) x input ({input.numel()})"
             )
-        return self._launch("gather", tag, async_op, lambda: self._gather(output, input, dst), part=input)
+        return self._launch("gather", tag, async_op, lambda: self._gather(output, input, dst), part=input,
+                            variant=f"to rank {dst}")
 
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, *,
                           async_op: bool = False, tag: str = "", label: Optional[str] = None) -> CommHandle:
@@ -533,7 +510,7 @@ class Communicator(abc.ABC):
     # microsecond per call).
     @torch.compiler.disable
     def _launch(self, op: str, tag: str, async_op: bool, start, label: Optional[str] = None,
-                part: Optional[torch.Tensor] = None) -> CommHandle:
+                part: Optional[torch.Tensor] = None, variant: Optional[str] = None) -> CommHandle:
         seq = self.last_seq = next(self._seq)
         self.last_op, self.last_tag = op, tag
         self.last_label = tag if label is None else label
@@ -557,7 +534,7 @@ class Communicator(abc.ABC):
                 failed = CommHandle(self, None, op=op, tag=tag, seq=seq, timeout=self.timeout)
                 raise self._on_failure(failed, error) or error from exc
         handle = CommHandle(self, work, op=op, tag=tag, seq=seq, timeout=self.timeout)
-        handle.async_op, handle.part = async_op, part
+        handle.async_op, handle.part, handle.variant = async_op, part, variant
         if async_op:
             self._progress_in_background(work)
         if self.observer is not None:

@@ -15,7 +15,8 @@ Note [exchange tags]
     hashes agree, one chance in 2**14 (see Note [the label's width]). (A caller may give a label
     other than the tag: the object exchanges' headers share one, so that ranks in different
     exchanges pair there and each sees what the others are in, Note in objects.py.) The hash also
-    covers the size and dtype of a rank's part ("zero2 bucket 3 [4096 x torch.float32]"): ranks whose parts differ (a
+    covers the size and dtype of a rank's part ("zero2 bucket 3 [4096 x torch.float32]"), and a reduce-scatter's op
+    (ranks that folded with different ops paired and each went on with its own op's result): ranks whose parts differ (a
     shape that depends on the rank) time out too, where gloo paired the messages anyway and
     terminated the process whose receive was smaller, while the other rank went on with
     garbage in the rest of its output. Tags lie in [2**30, 2**31): far from user point-to-point

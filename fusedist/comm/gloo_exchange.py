@@ -186,8 +186,10 @@ class GlooExchange:
         peer_row = {p: i for i, p in enumerate(landed)}
         pooled = self._landing.take(len(landed) * m, input.dtype) if landed else None
         landing = pooled[:len(landed) * m].view(len(landed), m) if landed else None
+        # The op in the label: ranks that fold with different ops never pair (each went on with its own op's
+        # result; Note [reduce ops and roots in the divergence probe] in fusedist/reliability/divergence.py).
         sends, receives = self._post(
-            "reduce_scatter", seq, label, output,
+            "reduce_scatter", seq, f"{label} (op {op})", output,
             send_slice=lambda dst, lo, hi: rows[dst, lo:hi],
             recv_slice=lambda src, lo, hi: output[lo:hi] if src == direct else landing[peer_row[src], lo:hi])
         holder = r if in_place else direct  # the contribution ``output`` holds before the fold

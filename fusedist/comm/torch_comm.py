@@ -123,12 +123,12 @@ class TorchCommunicator(Communicator):
         except Exception:  # noqa: BLE001 - internals moved: fusedist's timeout alone
             return None
 
-    def _launch(self, op, tag, async_op, start, label=None, part=None):
+    def _launch(self, op, tag, async_op, start, label=None, part=None, variant=None):
         self._check_group_alive(op, tag)
         if self.aborted:
             raise self._refusal(op, tag)
         self._launching_async = async_op  # (read by _all_reduce: Note [parts agreed before gloo's own all-reduce])
-        return super()._launch(op, tag, async_op, start, label, part)
+        return super()._launch(op, tag, async_op, start, label, part, variant)
 
     # Note [refusing collectives of a given-up communicator]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -211,12 +211,15 @@ class TorchCommunicator(Communicator):
         work = handle._work
         # (parts that differed fail on every rank alike: the ranks are still in step)
         if (work is not None and "gloo" in str(self.backend) and not isinstance(work, gloo_exchange.ExchangeWork)
-                and not getattr(work, "mismatched", False) and not self.aborted):
-            self.builtin_failure = str(error).removeprefix("fusedist: ")  # (it names the collective)
-            if not work.is_completed():  # Note [closing the connections of an abandoned collective]
+                and not getattr(work, "mismatched", False)):
+            # The first failure, or the wait the divergence probe ended (which gave the communicator up first)
+            abandoned = not self.aborted or (self.gave_up is not None and self._stopped_at is None)
+            if not self.aborted:
+                self.builtin_failure = str(error).removeprefix("fusedist: ")  # (it names the collective)
+                # (a program that catches the error and ends by sys.exit(n) ends at once, with n)
+                given_up_exit.watch_exit_requests()
+            if abandoned and not work.is_completed():  # Note [closing the connections of an abandoned collective]
                 _close_connections(self.group, self.rank, self.world_size)
-            # (a program that catches the error and ends by sys.exit(n) ends at once, with n)
-            given_up_exit.watch_exit_requests()
         first = self.aborted and self._stopped_at is None  # (Note [refusing collectives of a given-up communicator])
         if first:
             named = isinstance(error, CollectiveError) and error.seq >= 0
@@ -239,7 +242,10 @@ class TorchCommunicator(Communicator):
     # closes them too: a receive no peer will ever send, waited for a millisecond, which gloo answers by
     # closing the group's connections. The abandoned collective then fails at once without touching the
     # buffer again, and a late peer's collective fails with gloo's "Connection closed by peer" instead of
-    # pairing with it. (Once, at the failure; the group refuses collectives from then on anyway.)
+    # pairing with it. (Once, at the failure; the group refuses collectives from then on anyway.) A wait the
+    # divergence probe ended abandons its collective too: before, gloo kept it until the group's timeout, and
+    # ``destroy_process_group()`` -- what the refusal tells a program that caught the error to do -- blocked
+    # until then.
     def _sliced_waits(self, work, async_op: bool) -> bool:
         # gloo's own works wait on a condition (a slice that runs out leaves them running); an
         # exchange is sliced only once its progress thread drives it (a synchronous one is driven

@@ -182,8 +182,12 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
     #     slow rank and waited out the collective timeout (Note [divergence probe] in
     #     fusedist/reliability/divergence.py). A layer on CPU over a gloo group now attaches it when it
     #     is built (converted layers too): making the communicator issues no collective. Not on other
-    #     devices or backends: the forward's device is unknown yet, and a CUDA communicator is not made
-    #     before its first use (there the first training forward attaches it, as before).
+    #     devices or backends (there the first training forward attaches it, as before): making a CUDA
+    #     communicator is a collective of every rank of the group (an all_gather_object: Note [one decision
+    #     on every rank] in fusedist/comm/__init__.py), which a constructor must not issue -- a layer built on
+    #     some ranks only (an evaluation copy on rank 0) would pair it with the others' next collective, where
+    #     torch's layer issues nothing -- and a layer is mostly built before its model moves to the device it
+    #     runs on, which the communicator is bound to. Nothing here asks CUDA anything.
     def _watch_group(self) -> None:
         try:
             if not self._synchronizes() or "gloo" not in str(dist.get_backend(self.process_group)):

@@ -37,6 +37,22 @@ tags pair there and no label is published; where a rank's entry has none (anothe
 collective launched more than HISTORY collectives ago), labels are not compared. A failure entry
 carries the label and part too (monitor.py), so a peer still probing reads the same comparison.
 
+Note [reduce ops and roots in the divergence probe]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Ranks at one sequence number, op and part size may still pass what no transport can pair: another
+reduce op (an all-reduce with max on one rank, sum on another) or another root (a broadcast from rank
+0 on one rank, from rank 1 on another; a gather to different ranks). The gloo exchange labels the
+messages of a small all-reduce and a reduce-scatter by their op and those of a broadcast and a gather by
+their root, so such ranks never pair -- and waited out the collective timeout, since their entries
+compared equal (a reduce-scatter's label lacked its op: each rank folded with its own and went on); gloo's
+own broadcast and gather (``FUSEDIST_GLOO_COLLECTIVES=builtin``) hang the same way, as torch's do
+(torch's gloo all-reduce with different ops completes, each rank folding with its own op: the
+agreement of parts catches that, Note [parts agreed before gloo's own all-reduce] in
+fusedist/comm/part_agreement.py). The launch now records the collective's ``variant`` (``op max``,
+``from rank 0``, ``to rank 1``: ``CommHandle.variant``), each rank publishes it
+(``waiting_on["variant"]``), and different variants are a verdict. Unlike a label it means the same on
+every transport, but it too is compared only where every rank's entry has one.
+
 The wait is sliced in fusedist/comm/sliced_wait.py. Costs: none for a wait that ends before the
 delay (one comparison; a DDP step measured the same with the probe on and off); past it, a store
 write and a read per peer every ``PROBE_EVERY_S``, and the entry is withdrawn when the wait ends.
@@ -70,15 +86,18 @@ PROBE_EVERY_S = 0.25
 _STUCK = ("waiting", "checking", "failure")
 
 
-def waiting_on(op: str, tag: str, seq: int, part=None, label=None) -> dict:
+def waiting_on(op: str, tag: str, seq: int, part=None, label=None, variant=None) -> dict:
     """The collective a rank's entry says it waits on, as :func:`diverged` compares it: with its part
-    (what must match across ranks: this rank's tensor of the collective) and its label (Note
-    [exchange labels in the divergence probe]: only where it pairs the messages), where known."""
+    (what must match across ranks: this rank's tensor of the collective), its label (Note
+    [exchange labels in the divergence probe]: only where it pairs the messages) and its variant (Note
+    [reduce ops and roots in the divergence probe]), where known."""
     entry = {"op": op, "tag": tag, "seq": seq}
     if part is not None:
         entry["part"] = f"{part.numel()} x {part.dtype}"
     if label is not None:
         entry["label"] = label
+    if variant is not None:
+        entry["variant"] = variant
     return entry
 
 
@@ -89,9 +108,9 @@ class WaitProbe:
     #: How long the wait goes on between two checks.
     every_s = PROBE_EVERY_S
 
-    def __init__(self, monitor, op: str, tag: str, seq: int, delay_s: float, part=None, label=None):
+    def __init__(self, monitor, op: str, tag: str, seq: int, delay_s: float, part=None, label=None, variant=None):
         self.monitor, self.delay_s = monitor, delay_s
-        self.waiting_on = waiting_on(op, tag, seq, part, label)
+        self.waiting_on = waiting_on(op, tag, seq, part, label, variant)
         self._reports_before = len(monitor.reports)
         self._published: Optional[str] = None  # the kind of the entry this wait wrote
         self._evidence = None  # what the last read found, to be found again
@@ -169,19 +188,28 @@ def diverged(entries: dict) -> Optional[str]:
         tags = {r: entries[r]["waiting_on"].get("tag") for r in sorted(entries)}
         return (f"ranks {checking} wait in check_consistency()'s collective, ranks {outside} in a collective "
                 f"outside it (tags {tags}): a check pairs only with the others' check")
-    # Note [exchange labels in the divergence probe]: compared only where every rank published one.
+    # Note [exchange labels in the divergence probe], Note [reduce ops and roots in the divergence probe]:
+    # each compared only where every rank published one.
     labelled = all("label" in entry["waiting_on"] for entry in entries.values())
+    varied = all("variant" in entry["waiting_on"] for entry in entries.values())
     at: dict = {}
     for rank, entry in sorted(entries.items()):
         w = entry["waiting_on"]
-        at.setdefault((w["seq"], w["op"], w.get("part"), w["label"] if labelled else None), []).append(rank)
+        key = (w["seq"], w["op"], w.get("part"), w["variant"] if varied else None, w["label"] if labelled else None)
+        at.setdefault(key, []).append(rank)
     if len(at) > 1:
         groups = sorted(at.items(), key=lambda item: item[1])  # (by their first rank)
-        named = len({key[3] for key in at}) > 1  # (labels named only where they differ)
-        where = "; ".join(f"ranks {ranks} in {op}{f' {label!r}' if named else ''} (collective "
-                          f"#{seq}{f', {part} per rank' if part else ''})" for (seq, op, part, label), ranks in groups)
-        if len({key[:3] for key in at}) == 1:
+        # (variants and labels named only where they differ)
+        named_variant, named_label = (len({key[i] for key in at}) > 1 for i in (3, 4))
+        where = "; ".join(f"ranks {ranks} in {op}{f' ({variant})' if named_variant else ''}"
+                          f"{f' {label!r}' if named_label else ''} (collective #{seq}"
+                          f"{f', {part} per rank' if part else ''})"
+                          for (seq, op, part, variant, label), ranks in groups)
+        if len({key[:4] for key in at}) == 1:
             what = "the same collective under different labels (whose messages never pair)"
+        elif len({key[:3] for key in at}) == 1:
+            reduces = groups[0][0][1] in ("all_reduce", "reduce_scatter")
+            what = f"the same collective {'with different reduce ops' if reduces else 'from or to different roots'}"
         elif len({key[:2] for key in at}) == 1:
             what = "the same collective with parts of different sizes"
         else:

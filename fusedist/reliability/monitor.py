@@ -86,7 +86,9 @@ class CollectiveMonitor:
         # Note [exchange labels in the divergence probe] in divergence.py: the label, only where it pairs the messages.
         label = comm.last_label if handle.op in _LABELLED_OPS and isinstance(handle._work, ExchangeWork) \
             and comm.last_seq == handle.seq else None
-        self.launch_times[handle.seq % HISTORY] = (handle.seq, time.monotonic(), label)
+        # Note [reduce ops and roots in the divergence probe]: the variant, wherever the launch gave one.
+        variant = getattr(handle, "variant", None)
+        self.launch_times[handle.seq % HISTORY] = (handle.seq, time.monotonic(), label, variant)
 
     def on_failure(self, comm: Communicator, handle: CommHandle, error: BaseException) -> BaseException:
         """Publish this rank's state (its first failure only: Note [one entry per rank]), gather the others',
@@ -106,7 +108,8 @@ class CollectiveMonitor:
         else:
             report = stall_report.exchange(
                 store, self.group_name, self.generation, comm.rank, comm.world_size,
-                self._failure_entry(comm, error, op, tag, seq, None if named else handle.part),
+                # (the handle's part where the error names the handle's own collective: a probe's verdict)
+                self._failure_entry(comm, error, op, tag, seq, None if named and seq != handle.seq else handle.part),
                 stall_report.report_window_s(comm.timeout.total_seconds(), stall_report.peer_gone(error)),
                 global_ranks(comm),
             )
@@ -127,7 +130,7 @@ class CollectiveMonitor:
         # The entry keeps only the backend's reason; op/tag/seq are in "waiting_on".
         reason = str(error).split(f" of {comm.world_size}: ", 1)[-1]
         entry = self._entry(kind="failure", error=_short(RuntimeError(reason)).split(": ", 1)[-1])
-        entry["waiting_on"] = dict(waiting_on(op, tag, seq, part, self.label_of(seq)),
+        entry["waiting_on"] = dict(waiting_on(op, tag, seq, part, self.label_of(seq), self.variant_of(seq)),
                                    age_s=(time.monotonic() - started) if started is not None else None)
         return entry
 
@@ -136,6 +139,12 @@ class CollectiveMonitor:
         divergence probe] in divergence.py); None elsewhere, or once HISTORY later collectives took its slot."""
         launched = self.launch_times.get(seq % HISTORY)
         return launched[2] if launched is not None and launched[0] == seq else None
+
+    def variant_of(self, seq: int) -> Optional[str]:
+        """Collective ``seq``'s reduce op or root (Note [reduce ops and roots in the divergence probe] in
+        divergence.py); None where it has none, or once HISTORY later collectives took its slot."""
+        launched = self.launch_times.get(seq % HISTORY)
+        return launched[3] if launched is not None and launched[0] == seq else None
 
     def launched_at(self, seq: int) -> Optional[float]:
         """When collective ``seq`` was launched (``time.monotonic()``); None once HISTORY later
@@ -207,7 +216,7 @@ class CollectiveMonitor:
     def divergence_probe(self, op: str, tag: str, seq: int, part=None) -> WaitProbe:
         """The probe of a wait that has blocked for ``probe_delay_s`` (Note [divergence probe] in
         divergence.py); ``part``: this rank's tensor of the collective, or None."""
-        return WaitProbe(self, op, tag, seq, self.probe_delay_s, part, self.label_of(seq))
+        return WaitProbe(self, op, tag, seq, self.probe_delay_s, part, self.label_of(seq), self.variant_of(seq))
 
     def crashed_peer(self) -> Optional[str]:
         """Which peer published a crash (Note [a crashed peer, seen through the store] in

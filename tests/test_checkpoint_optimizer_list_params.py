@@ -27,13 +27,16 @@ class _Net(nn.Module):
         self.head = nn.Linear(4, 2)
 
 
-def _optimizers(model: _Net, groups: int = 1) -> list:
-    """AdamW over the second block (its layers in ``groups`` param groups), SGD over the rest."""
+def _optimizers(model: _Net, groups: int = 1, sgd_groups: tuple = ()) -> list:
+    """AdamW over the second block (its layers in ``groups`` param groups), SGD over the rest: in
+    one param group, or with ``sgd_groups`` ("body", "head") the first body layer and the head
+    each in one, in that order."""
     block = list(model.body[1].parameters())
     cut = len(block) // groups
     split = [block[:cut], block[cut:]] if groups == 2 else [block]
-    return [torch.optim.AdamW([{"params": p} for p in split], lr=1e-2),
-            torch.optim.SGD([*model.body[0].parameters(), *model.head.parameters()], lr=0.1, momentum=0.9)]
+    rest = {"body": list(model.body[0].parameters()), "head": list(model.head.parameters())}
+    sgd = [{"params": rest[k]} for k in sgd_groups] or [*rest["body"], *rest["head"]]
+    return [torch.optim.AdamW([{"params": p} for p in split], lr=1e-2), torch.optim.SGD(sgd, lr=0.1, momentum=0.9)]
 
 
 def _trained(seed: int, depth: int = 2):
@@ -144,7 +147,7 @@ def test_torch_dcp_of_a_list_into_a_position_of_another_group_count_is_refused_n
     seed = int.from_bytes(os.urandom(2), "little")
     torch.manual_seed(seed)
     saved = _Net(1)
-    saved_opts = _optimizers(saved, groups=2)
+    saved_opts = _optimizers(saved, groups=2, sgd_groups=("body", "head"))
     saved.head(saved.body(torch.randn(5, 3))).square().mean().backward()
     for opt in saved_opts:
         opt.step()
@@ -169,10 +172,21 @@ def test_torch_dcp_of_a_list_into_a_position_of_another_group_count_is_refused_n
     for o, state in zip(opts, before[1]):
         assert _state(o)[0] == state[0] and not o.state
 
-    same = _optimizers(model, groups=2)
+    # the second optimizer's groups named by its own index (they are the list's groups 2 and 3)
+    for sgd_groups, expected in (((), "holds its parameters in 1 param group(s), the checkpoint in 2 (its group 0: "
+                                      "'body.0.weight', 'body.0.bias'; its group 1: 'head.weight', 'head.bias')"),
+                                 (("head", "body"), "parameter 'head.weight' is in param group 0 of the optimizer but "
+                                                    "was saved in its param group 1 with 'head.bias'")):
+        with pytest.raises(CheckpointError) as refused:
+            checkpoint.load(path, model, _optimizers(model, groups=2, sgd_groups=sgd_groups))
+        assert "the state of optimizer 1 (SGD) of the list in" in str(refused.value), refused.value
+        assert expected in str(refused.value), refused.value
+    assert all(torch.equal(a, b) for a, b in zip(before[0], model.parameters()))
+
+    same = _optimizers(model, groups=2, sgd_groups=("body", "head"))
     checkpoint.load(path, model, same)
     reference = _Net(1)
-    reference_opts = _optimizers(reference, groups=2)
+    reference_opts = _optimizers(reference, groups=2, sgd_groups=("body", "head"))
     set_state_dict(reference, reference_opts, model_state_dict=msd, optim_state_dict=osd)
     for mine, theirs in zip(same, reference_opts):
         ours, expected = _state(mine), _state(theirs)

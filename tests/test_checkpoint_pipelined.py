@@ -394,7 +394,39 @@ def test_optimizer_state_by_name_takes_the_optimizers_order_and_keeps_an_empty_g
     assert [g["lr"] for g in full["param_groups"]] == [0.1, 2.0, 0.3]
     assert sorted(full["state"]) == [1, 2] and float(full["state"][2]["step"]) == 7.0
     opt.load_state_dict(full)
-    with pytest.raises(CheckpointError, match="different settings"):
+    with pytest.raises(CheckpointError, match="param group 0 of the optimizer holds 'a', saved in param group 0 of the "
+                       "checkpoint with lr=0.1, and 'b', saved in param group 1 of the checkpoint with lr=0.5"):
         _from_dcp.to_torch_format(dict(saved, param_groups=[{"params": ["a", "c"], "lr": 0.1},
                                                            {"params": ["b"], "lr": 0.5}]),
                                   ["a", "b", "c"], opt.param_groups, "test", one_saved=False)
+
+
+def test_a_saved_group_over_two_groups_of_other_settings_is_refused_for_torchs_checkpoint_of_a_pipelined_job():
+    """torch's distributed checkpoint of a pipeline-parallel job (its parts' groups by name, as
+    torchtitan saves them) loaded into a part whose two groups differ in ``weight_decay`` but hold
+    parameters of one saved group: each took the saved group's settings, silently (torch's
+    ``set_optimizer_state_dict`` leaves the first group without any). Refused naming the groups,
+    the setting and the values; groups of equal settings still split."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from fusedist.checkpoint import CheckpointError, _from_dcp
+
+    a, b, c = (nn.Parameter(torch.zeros(2)) for _ in range(3))
+    saved = {"state": {}, "param_groups": [{"params": ["a", "b", "c"], "lr": 0.1, "weight_decay": 0.01}]}
+
+    def groups(decay: float) -> list:
+        return torch.optim.AdamW([{"params": [a, b], "weight_decay": 0.0}, {"params": [c], "weight_decay": decay}],
+                                 lr=1.0).param_groups
+
+    full = _from_dcp.to_torch_format(saved, ["a", "b", "c"], groups(0.0), "test", others=True)
+    assert [(g["lr"], g["weight_decay"]) for g in full["param_groups"]] == [(0.1, 0.01), (0.1, 0.01)]
+    with pytest.raises(CheckpointError, match=r"test: param groups 0 and 1 of the optimizer differ in weight_decay "
+                       r"\(0.0 and 0.5\) but both hold parameters saved in param group 0 of the checkpoint \('a' "
+                       r"\.\.\.\), whose weight_decay=0.01 the load would give both"):
+        _from_dcp.to_torch_format(saved, ["a", "b", "c"], groups(0.5), "test", others=True)
+    module = nn.ParameterDict({"a": a, "b": b, "c": c})
+    opt = torch.optim.AdamW([{"params": [a, b], "weight_decay": 0.0}, {"params": [c], "weight_decay": 0.5}])
+    state = get_optimizer_state_dict(module, opt)
+    state["param_groups"] = [dict(state["param_groups"][1], params=["a", "b", "c"], weight_decay=0.01)]
+    set_optimizer_state_dict(module, opt, state)
+    assert "weight_decay" not in opt.param_groups[0]  # torch's answer

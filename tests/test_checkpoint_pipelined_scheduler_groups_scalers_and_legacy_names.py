@@ -125,6 +125,21 @@ def _schedulers_worker(rank, world_size, root):
     ckpt = Checkpointer(os.path.join(root, "pipelined"), process_group=group, pipeline=True)
     out["pipelined bw"] = _error(lambda: ckpt.restore(fresh, fresh_opt, lr_scheduler=fresh_scheduler))
     ckpt.close()
+    # both stages saved with a scheduler, restored into another split whose groups are in another
+    # order: each group named by the stage it was saved in (both stages' groups are numbered 0 and 1)
+    part = _Layers([2 * rank, 2 * rank + 1], 0)
+    part_opt = _optimizer(part, "wb")
+    scheduler = _scheduler(part_opt)
+    ckpt = Checkpointer(os.path.join(root, "both"), process_group=group, pipeline=True)
+    ckpt.restore(part, part_opt, lr_scheduler=scheduler)
+    _train(part, part_opt, [scheduler], 5)
+    ckpt.save(1)
+    ckpt.close()
+    fresh = _Layers([[1, 2], [0, 3]][rank], 9)
+    fresh_opt = _optimizer(fresh, "bw")
+    ckpt = Checkpointer(os.path.join(root, "both"), process_group=group, pipeline=True)
+    out["resplit bw"] = _error(lambda: ckpt.restore(fresh, fresh_opt, lr_scheduler=_scheduler(fresh_opt)))
+    ckpt.close()
     path = os.path.join(root, "pipelined", "step-00000001")
     meta = torch.load(os.path.join(path, "common.pt"), weights_only=True)["extra"]  # what restore reads before
     fresh = _Layers([2 * rank, 2 * rank + 1], 9)                                   # the load
@@ -143,12 +158,17 @@ def test_lr_scheduler_states_of_a_whole_model_checkpoint_and_before_the_load(tmp
         assert out["wb"] == "" and torch.allclose(torch.tensor(out["wb rates"]), torch.tensor(out["whole rates"]))
         # another order: refused (it took the biases' base rate for the weights), its schedule unchanged
         assert "holds for it was saved over the whole model's optimizer, with 2 param group(s); this part's " \
-               "optimizer has 2, taken from the saved groups [1, 0]" in out["bw"], out["bw"]
+               "optimizer has 2 (its group 0 from saved group 1 of the whole model's optimizer; its group 1 from " \
+               "saved group 0 of the whole model's optimizer)" in out["bw"], out["bw"]
         assert out["bw rates"] == [3e-2, 1e-2], out["bw rates"]
         assert "holds the states of 2 LR schedulers of the whole model" in out["two"], out["two"]
         assert "cannot load the LR scheduler state of model part 0 (rank 0): the LR scheduler state" in \
                out["pipelined bw"] and "was saved over the optimizer of the stage of ranks [0] (its part 0), with 2 " \
-               "param group(s); this part's optimizer has 2, taken from the saved groups [1, 0]" in out["pipelined bw"]
+               "param group(s); this part's optimizer has 2 (its group 0 from saved group 1 of part 0 of ranks [0]; " \
+               "its group 1 from saved group 0 of part 0 of ranks [0])" in out["pipelined bw"]
+        assert "this part's optimizer has 2 (its group 0 from saved groups 1 of part 0 of ranks [0] and 1 of part 0 " \
+               "of ranks [1]; its group 1 from saved groups 0 of part 0 of ranks [0] and 0 of part 0 of ranks [1])" \
+               in out["resplit bw"], out["resplit bw"]
         # the parts take an older checkpoint's state by its names now: all of it, so the strict load goes on
         assert out["legacy"] == "" and out["legacy differs"] == [], (rank, out["legacy"], out["legacy differs"])
         # rank 1's stage was saved without a scheduler: refused from the files, on every rank's check

@@ -31,6 +31,14 @@
 - a pipelined load that is not strict listed each rank's parts' missing keys, a key every part
   holds once per part: every rank now lists the job's, once, in the order torch's
   ``load_state_dict(strict=False)`` of the whole model lists them (two ranks, same launch).
+- a pipelined checkpoint loaded into another split (two ranks, same launch): groups by saved part,
+  and a saved group over two groups of equal settings, load; a group over saved groups of
+  another ``lr`` (torch's ``set_optimizer_state_dict`` takes the last) and a saved group over two
+  groups of another ``weight_decay`` (torch leaves a group without settings) are refused naming
+  the part, the groups, the setting and its values; groups of optimizers built from
+  ``named_parameters()`` merge (their ``param_names`` differed: "different settings").
+- a ZeRO-2 checkpoint loaded into torch's ``fully_shard`` (DTensor parameters) failed half loaded;
+  it continues as torch's AdamW on the unsharded model (same launch).
 - a data file of torch's distributed checkpoint cut short (a copy interrupted) or removed, or
   its metadata cut short, failed inside torch's reader with its traceback and an unzip or
   unpickling error naming no file: the file is named, with its size and the size its metadata
@@ -142,6 +150,91 @@ def _parts_list_missing_keys(rank: int, world: int, path: str, seed: int) -> lis
     return list(checkpoint.load(path, [part], [None], pipeline=True, strict=False).missing_keys)
 
 
+def _layers(ids, seed: int) -> nn.Module:
+    import models
+
+    return models.WholeModelLayers(ids, seed, width=3, count=4)
+
+
+def _regrouped_after_a_resplit(rank: int, world: int, path: str, seed: int) -> dict:
+    """Saved at pp 2 (layers [0, 1] and [2, 3], one AdamW group each: ``lr`` 0.1 and 0.2, then
+    both 0.1), loaded into parts of other layers and other groups (Note [param groups across a
+    pipeline re-split] in fusedist/checkpoint/_part_groups.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))["dp"]
+    saved = _layers([2 * rank, 2 * rank + 1], seed)
+    opt = torch.optim.AdamW(saved.parameters(), lr=0.1 * (rank + 1))
+    saved(torch.randn(2, 3)).square().sum().backward()
+    opt.step()
+    checkpoint.save(path + "-lr", saved, opt, process_group=group, pipeline=True)
+    opt.param_groups[0]["lr"] = 0.1
+    checkpoint.save(path + "-same", saved, opt, process_group=group, pipeline=True)
+    by_name = torch.optim.AdamW(saved.named_parameters())  # torch's param_names in its group
+    by_name.load_state_dict(opt.state_dict())
+    checkpoint.save(path + "-named", saved, by_name, process_group=group, pipeline=True)
+    ids = [[1, 2], [0, 3]][rank]  # each part takes a layer of each saved part
+
+    def load(which: str, layout) -> dict:
+        part = _layers(ids, seed + 1)
+        named = dict(part.named_parameters())
+        opt = torch.optim.AdamW([{"params": [named[n] for n in names], **own} for names, own in layout(named)],
+                                lr=1.0)
+        before = [p.clone() for p in part.parameters()]
+        try:
+            checkpoint.load(path + which, part, opt, process_group=group, pipeline=True)
+        except checkpoint.CheckpointError as exc:
+            return {"refusal": str(exc), "unchanged": all(torch.equal(a, b) for a, b in zip(before, part.parameters()))}
+        names = [n for g in layout(named) for n in g[0]]
+        state = opt.state_dict()["state"]
+        return {"groups": [(g["lr"], g["weight_decay"]) for g in opt.param_groups],
+                "param_names": [g.get("param_names") for g in opt.param_groups],
+                "state": {names[i]: {k: v.clone() for k, v in st.items()} for i, st in state.items()}}
+
+    by_layer = [([f"layers.{i}.weight", f"layers.{i}.bias"], {}) for i in ids]
+    out = {"merged": load("-lr", lambda named: [(list(named), {})]),
+           "named, merged": load("-named", lambda named: [(list(named), {})]),
+           "by saved part": load("-lr", lambda named: by_layer),
+           "split alike": load("-same", lambda named: [([n for n in named if n.endswith(k)], {}) for k in "ts"]),
+           "split apart": load("-same", lambda named: [([n for n in named if n.endswith("t")], {"weight_decay": 0.5}),
+                                                       ([n for n in named if n.endswith("s")], {"weight_decay": 0.0})])}
+    out["saved"] = {name: opt.state[p] for name, p in saved.named_parameters()}
+    return out
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(4, 3, generator=torch.Generator().manual_seed(1000 + step))
+
+
+def _zero2_into_torchs_fully_shard(rank: int, world: int, path: str, seed: int) -> dict:
+    """A ZeRO-2 checkpoint (fusedist DDP, the global batch split over the ranks) loaded into
+    torch's fully_shard and AdamW, which train on (Note [a load into DTensor parameters] in
+    fusedist/checkpoint/_dtensor_targets.py); the whole parameters after each phase."""
+    import fusedist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    ddp = fusedist.DistributedDataParallel(_layers(range(3), seed))
+    zero = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, stage=2, lr=3e-2)
+    for step in range(2):
+        zero.zero_grad()
+        (ddp(_batch(step)[rank::world]).square().sum() * world).backward()  # (the gradients are averaged)
+        zero.step()
+    checkpoint.save(path, ddp, zero)
+    sharded = _layers(range(3), seed + 1)
+    for layer in sharded.layers.values():
+        fully_shard(layer)
+    fully_shard(sharded)
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1.0)
+    checkpoint.load(path, sharded, opt)
+    for step in range(2, 4):
+        opt.zero_grad()
+        (sharded(_batch(step)[rank::world]).square().sum() * world).backward()
+        opt.step()
+    full = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))
+    return {"lr": opt.param_groups[0]["lr"], "after": {k: v.clone() for k, v in full.items()}}
+
+
 @pytest.fixture(scope="module")
 def two_ranks(request, tmp_path_factory):
     from shared_rank_launch import launch_for_selected
@@ -157,6 +250,10 @@ def two_ranks(request, tmp_path_factory):
             "missing keys": (_parts_list_missing_keys, (str(root / "whole"), seed))},
         "test_ranks_whose_groups_differ_in_a_setting_the_checkpoint_lacks_refuse_naming_it": {
             "rank-local initial_lr": (_zero_with_rank_local_initial_lr, (str(root / "dcp"), seed))},
+        "test_a_resplit_merges_and_splits_groups_that_agree_and_refuses_those_that_do_not_naming_the_setting": {
+            "regrouped": (_regrouped_after_a_resplit, (str(root / "pipelined"), seed))},
+        "test_a_zero2_checkpoint_continues_in_torchs_fully_shard_as_the_unsharded_run": {
+            "into fully_shard": (_zero2_into_torchs_fully_shard, (str(root / "zero2"), seed))},
     }, world=2, timeout=120)
     return launched, state, seed, saved_whole
 
@@ -191,6 +288,77 @@ def test_every_rank_lists_the_jobs_missing_keys_once_in_torchs_order(two_ranks):
     expected = _whole(True).load_state_dict(saved_whole.state_dict(), strict=False)
     assert expected.missing_keys[0] == "rope" and len(expected.missing_keys) == 9  # (the case is torch's)
     assert results_of(launched, "missing keys") == [expected.missing_keys] * 2
+
+
+def test_a_resplit_merges_and_splits_groups_that_agree_and_refuses_those_that_do_not_naming_the_setting(two_ranks):
+    """A part of another pipeline split takes each group's settings from the saved groups of its
+    parameters: groups by saved part load (the settings of each, the state copied), a saved group
+    over two groups whose own settings agree loads. A group over saved groups of another ``lr``,
+    and a saved group over two groups of another ``weight_decay``, were loaded (the first) or are
+    loaded by torch's ``set_optimizer_state_dict`` with the last saved group's ``lr`` / a group
+    left without settings: both refused naming the part, the groups, the setting and its values."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from shared_rank_launch import results_of
+
+    launched, _, seed, _ = two_ranks
+    results = results_of(launched, "regrouped")
+    saved = {n: st for r in results for n, st in r["saved"].items()}
+    for rank, result in enumerate(results):
+        loaded = result["by saved part"]
+        assert loaded["groups"] == [(0.1, 0.01), (0.2, 0.01)], (rank, loaded)  # (layers 1, 2 and 0, 3)
+        assert loaded["state"].keys() == {f"layers.{i}.{k}" for i in [[1, 2], [0, 3]][rank] for k in ("weight", "bias")}
+        for name, state in loaded["state"].items():
+            assert all(torch.equal(v, saved[name][k]) for k, v in state.items()), (rank, name)
+        assert result["split alike"]["groups"] == [(0.1, 0.01), (0.1, 0.01)], (rank, result["split alike"])
+        # saved by optimizers built from named_parameters(): their param_groups list them ("param_names"),
+        # which differ between the saved parts' groups (a merge was refused for "different settings");
+        # each group takes its members' saved names, as torch's load_state_dict installs the saved ones
+        named = result["named, merged"]
+        layers = [[1, 2], [0, 3]][rank]
+        assert named.get("groups") == [(0.1, 0.01)], (rank, named)
+        assert named["param_names"] == [[f"layers.{i}.{k}" for i in layers for k in ("weight", "bias")]], named
+        for name, state in named["state"].items():
+            assert all(torch.equal(v, saved[name][k]) for k, v in state.items()), (rank, name)
+        merged, apart = result["merged"], result["split apart"]
+        assert merged.get("unchanged") and apart.get("unchanged"), (rank, merged, apart)
+        assert ("param group 0 of part 0 of rank 0 holds 'layers.1.weight', saved in group 0 of part 0 of ranks [0] "
+                "with lr=0.1, and 'layers.2.weight', saved in group 0 of part 0 of ranks [1] with lr=0.2"
+                in merged["refusal"]), (rank, merged)
+        assert ("param groups 0 and 1 of part 0 of rank 0 differ in weight_decay (0.5 and 0.0) but both hold "
+                "parameters saved in group 0 of part 0 of ranks [0] ('layers.1.weight' ...), whose weight_decay=0.01 "
+                "the load would give both" in apart["refusal"]), (rank, apart)
+        assert "nothing was loaded" in merged["refusal"] and "nothing was loaded" in apart["refusal"]
+    # torch's answer to the merged groups: the last saved group's lr, silently
+    part = _layers([1, 2], seed)
+    opt = torch.optim.AdamW(part.parameters(), lr=1.0)
+    state = get_optimizer_state_dict(part, opt)
+    group = state["param_groups"][0]
+    state["param_groups"] = [dict(group, params=group["params"][:2], lr=0.1), dict(group, params=group["params"][2:],
+                                                                                    lr=0.2)]
+    set_optimizer_state_dict(part, opt, state)
+    assert [g["lr"] for g in opt.param_groups] == [0.2]
+
+
+def test_a_zero2_checkpoint_continues_in_torchs_fully_shard_as_the_unsharded_run(two_ranks):
+    """torch's fully_shard holds DTensor parameters: the load copied whole tensors into them and
+    failed ("got mixed torch.Tensor and DTensor") after copying the plain entries. Each rank
+    now takes its slices of the model and of the AdamW state, and the run goes on as torch's
+    AdamW on the unsharded model (fp32, other summation orders: within 1e-5)."""
+    from shared_rank_launch import results_of
+
+    launched, _, seed, _ = two_ranks
+    results = results_of(launched, "into fully_shard")
+    reference = _layers(range(3), seed)
+    opt = torch.optim.AdamW(reference.parameters(), lr=3e-2)
+    for step in range(4):
+        opt.zero_grad()
+        reference(_batch(step)).square().sum().backward()
+        opt.step()
+    for rank, result in enumerate(results):
+        assert result["lr"] == 3e-2
+        assert result["after"].keys() == reference.state_dict().keys()
+        for key, value in reference.state_dict().items():
+            assert torch.allclose(result["after"][key], value, atol=1e-5), (rank, key)
 
 
 def _grouped(model: nn.Module, layout: list, lr: float = 1e-2):

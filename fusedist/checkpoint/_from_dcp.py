@@ -28,8 +28,9 @@ from typing import Optional
 
 import torch
 
-from . import _group_record, _names
+from . import _group_record, _names, _part_groups
 from ._files import CheckpointError, refusal_reason
+from ._part_groups import NOT_SETTINGS, same_value
 
 METADATA = ".metadata"
 
@@ -340,7 +341,7 @@ def _recorded_groups(members: list, settings: dict, known: set, source: str, oth
                     f"fusedist.checkpoint: {source}: its record of param groups lists parameter {name!r} in group "
                     f"{index}, which has no settings saved ('param_groups.{name}.<setting>'): the record belongs to "
                     "another state; nothing was loaded")
-            if not _same(settings[name], settings[kept[0]]):
+            if not same_value(settings[name], settings[kept[0]]):
                 raise CheckpointError(
                     f"fusedist.checkpoint: {source}: parameters {kept[0]!r} and {name!r} were saved in param group "
                     f"{index} but with different settings; nothing was loaded")
@@ -355,7 +356,8 @@ def _recorded_groups(members: list, settings: dict, known: set, source: str, oth
 
 
 def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: str, others: bool = False,
-                    one_saved: bool = True, own_groups: bool = False) -> dict:
+                    one_saved: bool = True, own_groups: bool = False, origins: Optional[list] = None,
+                    part: str = "the optimizer") -> dict:
     """The optimizer state ``optim`` (by parameter name) as torch's ``state_dict()`` of an
     optimizer whose parameters are named ``names``, in its param groups ``optimizer_groups``
     (each takes the saved settings of its parameters; an empty one keeps its own), ``others``:
@@ -364,7 +366,10 @@ def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: st
     the one it was saved in, or groups merged or split, is refused (Note [parameters moved
     between param groups]); with ``others`` too where ``own_groups``: the saved groups holding
     ``names`` are one optimizer's of a saved list (Note [one position, one set of parameters] in
-    ``_optimizer_list.py``), not pipeline stages' that a re-split may merge."""
+    ``_optimizer_list.py``), not pipeline stages' that a re-split may merge. Groups merged or
+    split by name must agree in their settings (Note [param groups across a pipeline re-split]
+    in ``_part_groups.py``); ``origins`` name where each saved group was saved, ``part`` the
+    optimizer, in its refusals."""
     group_sizes = [len(g["params"]) for g in optimizer_groups]
     state, groups, grouped = _nested(_without_ddp_prefix(optim, names), names, source, others)
     if not names and groups and all(isinstance(i, int) for g in groups for i in g.get("params", [])):
@@ -380,24 +385,37 @@ def to_torch_format(optim: dict, names: list, optimizer_groups: list, source: st
         raise CheckpointError(f"fusedist.checkpoint: {source} has no parameter {missing[0]!r} of the optimizer "
                               f"({len(missing)} of {len(names)} missing)")
     if grouped and one_saved:
-        _refuse_regrouped(groups, group_of, names, group_sizes, source, count_must_match=own_groups or not others)
+        _refuse_regrouped(groups, group_of, names, group_sizes, source, count_must_match=own_groups or not others,
+                          own_numbers=own_groups)
+    if origins is None:
+        origins = [f"param group {gi} of the checkpoint" if grouped else "the checkpoint" for gi in range(len(groups))]
+    _part_groups.check(groups, origins, names, optimizer_groups, part, source)
+    labels = _saved_labels(groups)
     out_groups, out_state, start = [], {}, 0
     for size, own in zip(group_sizes, optimizer_groups):
         members = names[start:start + size]
         first = groups[group_of[members[0]]] if members else own
-        settings = {k: v for k, v in first.items() if k != "params"}
-        for name in members:
-            other = {k: v for k, v in groups[group_of[name]].items() if k != "params"}
-            if not _same(other, settings):
-                raise CheckpointError(
-                    f"fusedist.checkpoint: {source}: parameters {members[0]!r} and {name!r} are in one param group "
-                    "of the optimizer but have different settings in the checkpoint (its param groups differ)")
+        settings = {k: v for k, v in first.items() if k not in NOT_SETTINGS}
         out_groups.append(dict(settings, params=list(range(start, start + size))))
+        if all(n in labels for n in members) and (members or "param_names" in own):
+            out_groups[-1]["param_names"] = [labels[n] for n in members]
         for i, name in enumerate(members, start):
             if name in state and state[name]:
                 out_state[i] = dict(state[name])
         start += size
     return {"state": out_state, "param_groups": out_groups}
+
+
+def _saved_labels(groups: list) -> dict:
+    """Each saved parameter's entry in its group's ``param_names`` (torch's named optimizers), by
+    its name here: a group merged or split by name takes its members' (its saved list named the
+    saved group's members, and torch's ``load_state_dict`` installs it as it finds it)."""
+    labels = {}
+    for g in groups:
+        given = g.get("param_names")
+        if isinstance(given, (list, tuple)) and len(given) == len(g.get("params", [])):
+            labels.update(zip(g["params"], given))
+    return labels
 
 
 def _without_ddp_prefix(optim: dict, names: list) -> dict:
@@ -467,14 +485,21 @@ def state_names(optim: dict) -> list:
 # flattened optimizer state] in _group_record.py); without it, and for a part taking some of
 # a checkpoint's groups (others), another number of groups keeps the check of their settings.
 def _refuse_regrouped(groups: list, group_of: dict, names: list, group_sizes: list, source: str,
-                      count_must_match: bool) -> None:
+                      count_must_match: bool, own_numbers: bool = False) -> None:
+    """``own_numbers``: ``groups`` are a saved list's, every optimizer's in turn (torch's
+    ``get_state_dict(model, [...])`` puts them in one list): a saved group is named by its index
+    among the groups holding this optimizer's parameters ("its group 1"), not in the whole list."""
     known = set(names)
     saved_used = [gi for gi, g in enumerate(groups) if any(n in known for n in g.get("params", []))]
     own_used = [i for i, size in enumerate(group_sizes) if size]
+
+    def number(gi: int, noun: str = "group") -> str:
+        return f"its {noun} {saved_used.index(gi)}" if own_numbers else f"{noun} {gi}"
+
     if len(saved_used) != len(own_used):
         if not count_must_match:
             return
-        shown = "; ".join(f"group {gi}: {', '.join(map(repr, groups[gi]['params'][:2]))}"
+        shown = "; ".join(f"{number(gi)}: {', '.join(map(repr, groups[gi]['params'][:2]))}"
                           f"{' ...' if len(groups[gi]['params']) > 2 else ''}" for gi in saved_used[:4])
         raise CheckpointError(
             f"fusedist.checkpoint: {source}: the optimizer holds its parameters in {len(own_used)} param group(s), "
@@ -492,9 +517,9 @@ def _refuse_regrouped(groups: list, group_of: dict, names: list, group_sizes: li
                 beside = f" with {', '.join(map(repr, with_it))}" if with_it else ""
                 raise CheckpointError(
                     f"fusedist.checkpoint: {source}: parameter {name!r} is in param group {index} of the optimizer "
-                    f"but was saved in param group {saved}{beside}: the groups must hold the saved optimizer's "
-                    "parameters in its order of groups (what a group's index carries, an LR scheduler's state among "
-                    "it, would act on other parameters). Build the groups as the saved job did, or pass "
+                    f"but was saved in {number(saved, 'param group')}{beside}: the groups must hold the saved "
+                    "optimizer's parameters in its order of groups (what a group's index carries, an LR scheduler's "
+                    "state among it, would act on other parameters). Build the groups as the saved job did, or pass "
                     "optimizer=None to start a new one; nothing was loaded")
         start += size
 
@@ -521,12 +546,3 @@ def _by_index(state: dict, groups: list, group_sizes: list, source: str) -> dict
                               f"param groups of {sizes} parameters, the optimizer {list(group_sizes)}")
     return {"state": {int(k): dict(v) for k, v in state.items() if v}, "param_groups": [dict(g) for g in groups]}
 
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b

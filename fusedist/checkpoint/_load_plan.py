@@ -13,7 +13,8 @@ import torch
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import _adam_family, _checks, _dcp_algorithm, _files, _from_dcp, _names, _which_checkpoint, stage3
+from . import (_adam_family, _checks, _dcp_algorithm, _dtensor_targets, _files, _from_dcp, _names, _which_checkpoint,
+               stage3)
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
@@ -439,14 +440,15 @@ def apply(plan: dict, model, optimizer, scaler):
             # (the keys were checked in prepare; a module's get_extra_state() value goes to its
             # set_extra_state there, as in torch's load_state_dict)
             load_full_state_dict(target, state, strict=False)
-        else:
-            target.load_state_dict(state, strict=plan["strict"])
+        else:  # (Note [a load into DTensor parameters] in _dtensor_targets.py)
+            target.load_state_dict(_dtensor_targets.model_state(target, state), strict=plan["strict"])
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         optimizer.sync_master_from_params()
         if "optimizer" in plan:
             optimizer._apply_assembled(*plan["optimizer"])
     elif optimizer is not None and "optimizer" in plan:
         optimizer.load_state_dict(plan["optimizer"])
+        _dtensor_targets.place_optimizer_state(optimizer)
         if plan["model_sharded"]:  # its state dicts present the pieces' state (Note [optimizer state of pieces])
             from ..fsdp import track_optimizer
 

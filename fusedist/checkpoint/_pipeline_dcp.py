@@ -49,8 +49,9 @@ def prepare(directory: str, held: list, scaler, strict: bool, trusted: bool) -> 
             source = (f"the state of optimizer {position} ({type(optimizer).__name__}) of the list in {directory}"
                       if listed else f"optimizer state in {directory}")
             plan["params"] = param_names(module, params)
+            part = f"optimizer {position} of the list" if listed else f"part {position} of rank {_job_rank()}"
             full = _from_dcp.to_torch_format(optim or {}, plan["params"], optimizer.param_groups, source, others=True,
-                                             own_groups=listed)
+                                             own_groups=listed, part=part)
             if params and _from_dcp.by_index(optim):  # (what check_taken compares: the saved indices)
                 plan["params"] = [str(i) for i in range(len(params))]
             _dcp_algorithm.check(full["param_groups"], optimizer, directory)
@@ -66,6 +67,12 @@ def prepare(directory: str, held: list, scaler, strict: bool, trusted: bool) -> 
         read.update(pipeline.missing_of(held, plans))
     return {"parts": plans, "extra": None, "read": read, "strict": strict, "stages": [{"ranks": None}],
             "all_keys": every_key, "all_params": every_param}
+
+
+def _job_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _dcp_split(tree: dict, names, expected: dict, directory: str) -> tuple:

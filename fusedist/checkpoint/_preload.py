@@ -82,6 +82,10 @@ def _saved_groups(directory: str, files: dict, stage: dict, trusted: bool) -> li
                  pipelined._section("optimizer_shard", stage["part"]), "param_groups")
 
 
+def _stage_name(stage: dict) -> str:
+    return "the whole model's optimizer" if stage["keys"] is None else f"part {stage['part']} of ranks {stage['ranks']}"
+
+
 def lr_scheduler_group_mismatch(directory: str, model, optimizer, trusted: bool) -> Optional[str]:
     """Why the LR scheduler state the load gives the part ``model`` does not fit its optimizer
     (its param groups are not those of the optimizer that saved the state, in their order: Note
@@ -96,25 +100,29 @@ def lr_scheduler_group_mismatch(directory: str, model, optimizer, trusted: bool)
     source = next((s for s in chosen if s["keys"] is None or peek(directory, files, s["common"], trusted).get(
         "lr_scheduler") is not None), chosen[0])
     names = param_names(model, optimizer_params(optimizer))
-    wanted, group_of, count = set(names), {}, 0
+    wanted, group_of, label_of, count = set(names), {}, {}, 0
     for stage in chosen:
         saved = _saved_groups(directory, files, stage, trusted)
         count = len(saved) if stage is source else count
         for g, group in enumerate(saved):
             for i in group["params"]:
                 name = stage["optimizer"]["param_names"][int(i)]
-                group_of[name if name in wanted else _names.legacy_key(name)] = g
-    taken, start = [], 0
+                name = name if name in wanted else _names.legacy_key(name)
+                group_of[name], label_of[name] = g, f"{g} of {_stage_name(stage)}"
+    taken, labels, start = [], [], 0
     for group in optimizer.param_groups:
         members = names[start:start + len(group["params"])]
         start += len(members)
         taken.append(sorted({group_of.get(n) for n in members}, key=str))
+        labels.append(sorted({label_of[n] for n in members if n in label_of}))
     if len(taken) == count and all(sources in ([], [g]) for g, sources in enumerate(taken)):
         return None
     saver = "the whole model's optimizer" if source["keys"] is None else \
         f"the optimizer of the stage of ranks {source['ranks']} (its part {source['part']})"
+    shown = "; ".join(f"its group {i} from saved group{'s' if len(from_groups) > 1 else ''} "
+                      f"{' and '.join(from_groups) or '(none)'}" for i, from_groups in enumerate(labels))
     return (f"the LR scheduler state {directory} holds for it was saved over {saver}, with {count} param group(s); "
-            f"this part's optimizer has {len(taken)}, taken from the saved groups "
-            f"{[s[0] if len(s) == 1 else s for s in taken]}: the schedule's values per group (base and last learning "
-            "rates) would go to other groups. Give the part's optimizer the saved param groups in their order (its "
-            "group i from the saved group i), or restore without its LR scheduler and set its state yourself")
+            f"this part's optimizer has {len(taken)} ({shown}): the schedule's values per group (base and last "
+            "learning rates) would go to other groups. Give the part's optimizer the saved param groups in their "
+            "order (its group i from the saved group i), or restore without its LR scheduler and set its state "
+            "yourself")

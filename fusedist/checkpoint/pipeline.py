@@ -48,8 +48,8 @@ import torch
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import (_checks, _files, _from_dcp, _given_up, _load_plan, _names, _pipeline_dcp, _sections, _which_checkpoint,
-               api, stage3)
+from . import (_checks, _files, _from_dcp, _given_up, _load_plan, _names, _pipeline_dcp, _sections,
+               _which_checkpoint, api, stage3)
 from ._files import CheckpointError
 from ._optimizer_list import MANIFEST_KEY
 from ._params import optimizer_params, param_names
@@ -415,7 +415,8 @@ def _prepare_part(directory: str, stages: list, reader: _Reader, model, optimize
                   "missing": [k for k in expected if k not in saved]}
     if optimizer is not None:
         plan["optimizer"], plan["params"] = _prepare_optimizer(directory, chosen, reader, model, optimizer,
-                                                               [] if chosen else _stateless_first(stages, *where))
+                                                               [] if chosen else _stateless_first(stages, *where),
+                                                               f"part {where[1]} of rank {where[0]}")
     # the stages' LR schedulers, saved by a Checkpointer (Note [an LR scheduler per pipeline part])
     plan.update(_part_lr_scheduler([reader.file(s["common"]) for _, s in chosen]))
     if scaler is not None:
@@ -443,7 +444,8 @@ def _stateless_first(stages: list, rank: int, slot: int) -> list:
     return sorted(enumerate(stages), key=order)
 
 
-def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, optimizer, stateless: list) -> tuple:
+def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, optimizer, stateless: list,
+                       part: str) -> tuple:
     """The part's optimizer state in torch's format, from the stages holding its parameters:
     their state and param groups by parameter name, put in the optimizer's order as a torch
     distributed checkpoint's are (``_from_dcp.to_torch_format``), then checked and converted
@@ -451,13 +453,15 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
     compares with the stages' ``param_names``: an older checkpoint's ``_orig_mod.`` names,
     taken by their names now, were reported as state no part loads). ``stateless``: the stages
     in :func:`_stateless_first`'s order for a part holding no state, whose optimizer over no
-    parameters takes its groups' settings from :func:`_saved_without_state`."""
+    parameters takes its groups' settings from :func:`_saved_without_state`; ``part`` names it
+    (Note [param groups across a pipeline re-split] in ``_part_groups.py``)."""
     params = optimizer_params(optimizer)
     names = param_names(model, params)
     target = _names.unwrap(model)
     sharding = _load_plan._sharding(target)
     wanted = set(names)
     state, groups, shapes, taken = {}, [], {}, []  # by name; the saved groups with their parameters' names
+    origins = []  # where each of groups was saved
     with_state = [s for _, s in chosen if s.get("optimizer") is not None]
     if not with_state and names:
         raise CheckpointError(f"fusedist.checkpoint: {directory} holds no optimizer state")
@@ -472,8 +476,9 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
         shapes.update((n, meta["param_shapes"][i]) for i, n in saved.items())
         taken += [meta["param_names"][i] for i in saved]
         state.update((saved[int(i)], v) for i, v in full.get("state", {}).items() if int(i) in saved)
-        groups += [dict(g, params=[saved[int(i)] for i in g["params"] if int(i) in saved])
-                   for g in full["param_groups"]]
+        groups += [_taken_group(g, saved) for g in full["param_groups"]]
+        holder = "the saved optimizer" if stage["ranks"] is None else f"part {stage['part']} of ranks {stage['ranks']}"
+        origins += [f"group {gi} of {holder}" for gi in range(len(full["param_groups"]))]
     missing = [n for n in names if n not in shapes]
     if missing:
         raise CheckpointError(f"fusedist.checkpoint: no stage of {directory} holds optimizer state for the "
@@ -489,8 +494,19 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
                                   f"its state in {directory} shape {tuple(shapes[name])}")
     source = f"optimizer state in {directory}"
     full = _from_dcp.to_torch_format({"state": state, "param_groups": groups}, names, optimizer.param_groups, source,
-                                     one_saved=len(with_state) == 1)
+                                     one_saved=len(with_state) == 1, origins=origins, part=part)
     return _load_plan._prepare_full(full, directory, target, sharding, optimizer, params, source), taken
+
+
+def _taken_group(group: dict, saved: dict) -> dict:
+    """A saved param group with its parameters this part takes, by name (``saved``: index -> name),
+    and their entries of torch's ``param_names`` where it has them (a named optimizer's)."""
+    kept = [k for k, i in enumerate(group["params"]) if int(i) in saved]
+    out = dict(group, params=[saved[int(group["params"][k])] for k in kept])
+    given = group.get("param_names")
+    if isinstance(given, (list, tuple)) and len(given) == len(group["params"]):
+        out["param_names"] = [given[k] for k in kept]
+    return out
 
 
 def _saved_without_state(directory: str, stages: list, reader: _Reader, optimizer) -> list:

@@ -20,7 +20,10 @@ the compiled Triton kernels). The multi-rank ones: tests/test_gpu_pending_paths_
   undefined float-to-clock cast gave a deadline in the past: an immediate timeout and an aborted
   communicator); NaN and negative timeouts raise ValueError naming the operation, and leave the
   communicator and the collective alone. ``CommHandle.wait(timeout)`` bounds what it passes by
-  the collective's own deadline (Note [one deadline per collective]) and a ``timedelta`` holds
+  the collective's own deadline (Note [one deadline per collective]), and only a wait shorter than
+  what is left of that deadline tightens the watchdog's entry (a wait without a timeout or a longer
+  one leaves the collective's timeout as launched: the stand-in test in tests/test_comm_watchdog.py,
+  here on the real communicator); a ``timedelta`` holds
   no NaN or infinity, so those reach ``NcclComm.wait`` only directly: the test calls it on a
   launched collective's done event. Results are compared with torch's NCCL in the same process.
 * **Negated-view gradients on the Triton optimizer path** (Note [lazily negated tensors] in
@@ -151,6 +154,20 @@ def _wait_timeouts(rank, world_size, seed):
         torch.cuda._sleep(GATE_CYCLES)
         return x, comm.all_reduce(x, async_op=True, tag=tag), want
 
+    # Only a wait(timeout) shorter than what is left of the deadline tightens the watchdog's entry
+    # (every wait is handed that remainder, which moved nothing: Note [one deadline per collective]).
+    tightened, tighten = [], comm.watchdog.tighten
+    comm.watchdog.tighten = lambda entry, seconds: tightened.append(entry.tag) or tighten(entry, seconds)
+    limit = comm.timeout.total_seconds()
+    try:
+        for label, timeout in (("default wait", None), ("longer wait", datetime.timedelta(seconds=2 * limit)),
+                               ("shorter wait", datetime.timedelta(seconds=limit / 2))):
+            x, handle, want = launched(label)
+            handle.wait() if timeout is None else handle.wait(timeout)
+            out[label] = (handle._work.watched.timeout_s, torch.equal(x, want))
+    finally:
+        comm.watchdog.tighten = tighten
+    out["tightened"], out["limit"] = tightened, limit
     # The public path: a wait of timedelta.max waits for the collective (bounded by its deadline).
     x, handle, want = launched("timedelta.max wait")
     handle.wait(datetime.timedelta.max)
@@ -182,6 +199,10 @@ def test_nccl_wait_without_deadline_completes_and_nan_or_negative_raise():
     seed = _seed()
     (out,) = run_distributed(_wait_timeouts, 1, seed, backend="nccl", timeout=240)
     where = f"seed {seed}: {out}"
+    assert out["tightened"] == ["shorter wait"], where
+    limit = out["limit"]
+    assert out["default wait"] == out["longer wait"] == (limit, True), where
+    assert out["shorter wait"] == (limit / 2, True), where
     assert out["handle timedelta.max"], where
     for label in ("inf", "timedelta.max", "1e300"):
         assert out[label] == (True, False, True), (label, where)  # completed, not aborted, torch's result

@@ -108,6 +108,7 @@ class LoadedStateMixin:
                       "params": group["params"]}
             self._validate_group(merged, gi)
             for pi, (old_id, p) in enumerate(zip(saved["params"], group["params"])):
+                self._check_complete_state(saved_state.get(old_id, {}), pi, gi)
                 for key, value in saved_state.get(old_id, {}).items():
                     if key == "step":
                         self._check_loadable_step(value, pi, gi)
@@ -120,6 +121,34 @@ class LoadedStateMixin:
                             f"group {gi} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}; "
                             "the state dict belongs to other parameters (nothing was loaded)"
                         )
+
+    # Note [a partial state refused]
+    # A parameter's state that holds some of what this optimizer's update reads (its step count,
+    # its moments) but not all of it: torch's Adam raises KeyError loading it (no 'step') or at
+    # its next step (no 'exp_avg_sq'). The fused step made the missing parts afresh -- zero
+    # moments, or a step count of 0 -- and stepped on silently: a state dict whose per-parameter
+    # step counts were dropped
+    # (apex's FusedAdam keeps one count per group) restarted Adam's bias correction on warm
+    # moments, and one without ``exp_avg_sq`` divided warm first moments by a zero second one.
+    # So such a state is refused at the load, naming the parameter and what is missing. States
+    # with none of these (only an FP32 master, or nothing) still start afresh, and so does AMSGrad's
+    # ``max_exp_avg_sq`` of a state saved without it (FusedAdam's docstring).
+    def _check_complete_state(self, values: dict, pi: int, gi: int) -> None:
+        """Refuse a state with some but not all of ``step`` and ``_state_keys`` (Note [a partial
+        state refused])."""
+        needed = ("step", *self._state_keys) if self._state_keys else ()
+        present = [k for k in needed if k in values]
+        if not present or len(present) == len(needed):
+            return
+        missing = [k for k in needed if k not in values]
+        counterpart = self._torch_counterpart
+        torch_refusal = f" (torch's {counterpart.__name__} raises KeyError on it)" if counterpart else ""
+        raise ValueError(
+            f"{type(self).__name__}.load_state_dict: the state of param {pi} of param group {gi} has "
+            f"{', '.join(map(repr, present))} but not {', '.join(map(repr, missing))}, which its update reads"
+            f"{torch_refusal}; the state dict is incomplete or of another optimizer. Load a complete one, or "
+            "leave this parameter's state out to start it afresh (nothing was loaded)"
+        )
 
     def _check_loadable_step(self, value, pi: int, gi: int) -> None:
         # A tensor of one element, or a number (torch before 1.12 saved steps as numbers).

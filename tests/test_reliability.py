@@ -426,6 +426,53 @@ def test_consistent_irregular_training_is_not_flagged(launched):
     assert results_of(launched, "no false positive") == [(4, 3), (4, 3)]
 
 
+def _eval_mode_worker(rank, world_size):
+    """A rank left in eval mode (a validation pass without model.train() after it) trains with
+    dropout off while the others train with it on: torch's DDP trains on silently (its replicas stay
+    equal). Every rank in eval mode alike is no divergence."""
+    import fusedist
+    from fusedist._consistency import RankMismatchError
+
+    def fresh():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.5), torch.nn.Tanh(),
+                                  torch.nn.Linear(32, 4))
+        model = fusedist.DistributedDataParallel(net)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.Generator().manual_seed(rank)
+
+    def outcome(switch):
+        model, opt, gen = fresh()
+        _train(model, opt, gen, 1)
+        try:
+            switch(model)
+            _train(model, opt, gen, 2)
+            model.check_consistency()
+            return "no error"
+        except RankMismatchError as exc:
+            return str(exc)
+
+    out = {"alike": outcome(lambda model: model.eval()),
+           "whole model": outcome(lambda model: model.eval() if rank == 0 else None),
+           "one layer": outcome(lambda model: model.module[1].eval() if rank == 1 else None)}
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    out["alive"] = t.item()
+    return out
+
+
+def test_ranks_training_in_different_train_eval_modes_are_named_on_every_rank(launched):
+    for rank, out in enumerate(results_of(launched, "eval mode")):
+        assert out["alive"] == 2.0 and out["elapsed"] < 60, out
+        assert out["alike"] == "no error", out["alike"]
+        whole = out["whole model"]
+        assert f"this is rank {rank}" in whole and "synchronized backward #1" in whole, whole
+        assert "trainable: ranks [0]: " in whole and "in eval mode on others" in whole, whole
+        assert "all 5 modules read: train mode on ranks [1], eval mode on ranks [0]" in whole, whole
+        layer = out["one layer"]
+        assert "module '1' (Dropout): train mode on ranks [0], eval mode on ranks [1]" in layer, layer
+        assert "module '0'" not in layer, layer
+
+
 # ---------------------------------------------------------------- the shared launch
 def _under(rank, world_size, env, fn, *args):
     """``under_env`` with a dict result given its wall time as ``elapsed``."""
@@ -448,6 +495,8 @@ def launched(request, tmp_path_factory):
             "layout": (_under, ({}, _layout_worker))},
         "test_consistent_irregular_training_is_not_flagged": {
             "no false positive": (_under, ({}, _no_false_positive_worker))},
+        "test_ranks_training_in_different_train_eval_modes_are_named_on_every_rank": {
+            "eval mode": (_under, (FAST_FAILURE, _eval_mode_worker))},
     }, 2, timeout=180)
 
 

@@ -113,6 +113,32 @@ def test_launch_time_of_a_collective_is_not_taken_from_a_later_one():
     assert monitor.launched_at(HISTORY + 2) is not None and monitor.launched_at(3) is not None
 
 
+def _sharded_eval_mode_worker(rank, world_size):
+    """Rank 1 left in eval mode after a step (Note [train and eval modes in the step check])."""
+    from fusedist._consistency import RankMismatchError
+
+    model, opt = _sharded_block_stack()
+    gen = torch.Generator().manual_seed(rank)
+    try:
+        for step in range(3):
+            if rank == 1 and step == 1:
+                model.eval()
+            model(torch.randn(4, 5, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        model.check_consistency()
+    except RankMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_fully_shard_ranks_in_different_train_eval_modes_are_named_on_every_rank(launched):
+    for rank, text in enumerate(results_of(launched, "eval mode")):
+        assert f"this is rank {rank}" in text and "synchronized backward #1" in text, text
+        assert "trainable: ranks [0]: " in text and "in eval mode on others" in text, text
+        assert "train mode on ranks [0], eval mode on ranks [1]" in text, text
+
+
 def _sharded_checks_off_worker(rank, world_size):
     """(Run before any model with the checks on: the optimizer-step guard, once installed, stays.)"""
     os.environ["FUSEDIST_CHECKS"] = "0"  # (as the whole launch had it: read when sharded and at each step)
@@ -144,4 +170,6 @@ def launched(request):
     return launch_for_selected(request, {
         "test_checks_off_turns_the_fully_shard_step_guard_off": {"checks off": (_sharded_checks_off_worker, ())},
         "test_fully_shard_step_check_is_not_named_a_ddp_one": {"tags": (_sharded_tags_worker, ())},
+        "test_fully_shard_ranks_in_different_train_eval_modes_are_named_on_every_rank": {
+            "eval mode": (_sharded_eval_mode_worker, ())},
     }, 2, timeout=120)

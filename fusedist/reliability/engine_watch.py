@@ -22,6 +22,7 @@ from .monitor import attach_monitor
 from .param_check import ParamDigest, replicates
 from . import carried_check
 from .step_check import FIELDS, JOINED, StepCheck, layout_crc
+from .mode_check import describe_modes, modes_crc
 
 #: The other way to an unsynchronized step: a pipeline schedule's step synchronizes a stage's
 #: gradients at its last micro-batch's backward only.
@@ -135,6 +136,7 @@ class StepWatch(WatchBase, EngineObserver):
         self._layout_crc: Optional[tuple] = None
         self._digest: Optional[ParamDigest] = None  # built at the first check that needs it
         self._sparse_flags: list = []  # requires_grad of the sparse-gradient weights at the last forward
+        self._modes = 0  # the modules' train/eval flags at the last training forward (Note in mode_check.py)
         # Note [the check carried by the last bucket]: (layout, strategy, whether it carries), this
         # step's (values, detail, digest) before the launch, and (handle, tail) once launched.
         self._carries: Optional[tuple] = None
@@ -192,6 +194,8 @@ class StepWatch(WatchBase, EngineObserver):
         self.settle()  # the last step's verdict, before this step's first collective
         self.forwards += 1
         self._sparse_flags = [p.requires_grad for p in _sparse_params(engine).values()]
+        if self.step_check is not None:
+            self._modes = modes_crc(_tree_modules(engine))  # Note [train and eval modes in the step check]
 
     def backward_begins(self, engine) -> None:
         if self.monitor is not None:  # stamps this step on the collective history
@@ -256,7 +260,7 @@ class StepWatch(WatchBase, EngineObserver):
             self._layout_crc[1],
             last_seq,
             unused_count,
-            self._trainable_crc(tracker),
+            zlib.crc32(self._modes.to_bytes(4, "little"), self._trainable_crc(tracker)) & 0x7FFFFFFF,
             0,  # the parameter digest, when due, is written on the device
             0,  # replicas: fully_shard's (Note [replica check] in sharded_watch.py)
         ], functools.partial(self._detail, engine, len(engine.layout.buckets), unused, checked_now,
@@ -269,6 +273,7 @@ class StepWatch(WatchBase, EngineObserver):
                 "unused_names": [engine.names[engine.index_of[p]] for p in unused],
                 "checked_now": checked_now,
                 "describe_trainable": lambda comm: self._describe_trainable(engine, comm),
+                "describe_modes": lambda comm: describe_modes(comm, _named_tree_modules(engine)),
                 "describe_params": describe_params,
                 # Note [sparse weights in the step check]
                 "reported_at": "the end of that backward" if sparse else "the next training forward"}
@@ -403,3 +408,19 @@ def _wait_for_parameters(engine) -> None:
     wait = getattr(_wrapper_of(engine), "_wait_for_params", None)
     if wait is not None:
         wait(True)  # (as before a traced forward: every gather)
+
+
+def _tree_modules(engine) -> list:
+    """The wrapped module's modules as the wrapper last saw its tree (Note [submodules written
+    without the registration hook] in fusedist/ddp/module_tree.py), in a rank-independent order."""
+    tracker = engine.tracker
+    return tracker.tree.modules() if tracker is not None else []
+
+
+def _named_tree_modules(engine) -> list:
+    """(path, module) for :func:`_tree_modules`, for an error's lines."""
+    tracker = engine.tracker
+    owner = tracker.owner() if tracker is not None else None
+    root = getattr(owner, "module", None)
+    names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
+    return [(names.get(id(m), "?"), m) for m in _tree_modules(engine)]

@@ -80,6 +80,7 @@ from .engine_watch import PIPELINE_HINT, WatchBase
 from .monitor import attach_monitor, monitor_of
 from .param_check import ParamDigest
 from .step_check import StepCheck
+from .mode_check import describe_modes, modes_crc
 
 SUBJECT = {"subject": "fully_shard", "model": "fully_shard model", "reduced": "units", "explain": {
     "unused": "a different set of parameters received gradients (a branch of a unit ran on some ranks only): "
@@ -127,6 +128,10 @@ class ShardedStepWatch(WatchBase):
         self._replicas: Optional[ParamDigest] = None  # the digests of this rank's pieces, built when first due
         self._replica_table: Optional[torch.Tensor] = None  # the last exchange with the replicas (digest, counters)
         self._units_of = units
+        # Note [train and eval modes in the step check] in mode_check.py: the modules holding the
+        # parameters (model.eval() switches them too), and their flags at the last training forward
+        self._mode_modules = _holding_modules(units)
+        self._modes = 0
         self._names: dict = {}  # piece -> its current path (weak keys), once the module's tree changed
         from . import optimizer_guard
 
@@ -139,6 +144,8 @@ class ShardedStepWatch(WatchBase):
         """A training forward of the root, before its first all-gather."""
         self.settle()
         self.forwards += 1
+        if self.step_check is not None:
+            self._modes = modes_crc([m for _, m in self._mode_modules])
 
     def backward_begins(self) -> None:
         self.in_backward = True
@@ -182,7 +189,8 @@ class ShardedStepWatch(WatchBase):
 
     def _launch(self, checked_now: bool) -> None:
         detail = dict(SUBJECT, buckets=self.units, checked_now=checked_now, unused_names=self._without_grad,
-                      describe_trainable=self._describe_units)
+                      describe_trainable=self._describe_units,
+                      describe_modes=lambda comm: describe_modes(comm, _holding_modules(self._units_of)))
         flag = replicas = None
         if self.param_every and (checked_now or self.sync_steps % self.param_every == 0):
             detail.update(explain=dict(SUBJECT["explain"], params=REPLICAS_DIFFER))
@@ -196,7 +204,9 @@ class ShardedStepWatch(WatchBase):
                               describe_replicas=self._describe_replica_steps)
         self.step_check.launch(
             [self.sync_steps, self.forwards, self.backwards, self.optimizer_steps, self.wrapping_crc,
-             self.comm.last_seq, self._gradients_crc, self._units_crc, 0, 0],  # (the replica flags, if due)
+             self.comm.last_seq, self._gradients_crc,
+             zlib.crc32(self._modes.to_bytes(4, "little"), self._units_crc) & 0x7FFFFFFF,  # (Note in mode_check.py)
+             0, 0],  # (the replica flags, if due)
             detail, digest=flag, replicas=replicas)
 
     @torch.no_grad()
@@ -314,3 +324,18 @@ def _global(comm, position: int) -> int:
     """The global rank of ``position`` in ``comm``'s group."""
     ranks = global_ranks(comm)
     return ranks[position] if ranks is not None else position
+
+
+def _holding_modules(units) -> list:
+    """(path, module) of each module holding a parameter of ``units``, once each, in the units'
+    order (the same on every rank: the wrapping check compared it)."""
+    seen, out = set(), []
+    for unit in units:
+        for name, holders in zip(unit.names, unit.registrations):
+            for module, attr in holders:
+                if id(module) not in seen:
+                    seen.add(id(module))
+                    local = name.rsplit(".", 1)[0] if "." in name else ""
+                    path = ".".join(p for p in (unit.path or "", local) if p)
+                    out.append((path, module))
+    return out

@@ -15,7 +15,9 @@ Note [step check]
         collective_seq   sequence number of this step's last bucket collective
         unused           parameters without a gradient (0 with find_unused_parameters)
         trainable        CRC of the module's requires_grad flags at this step's forward
-                         (Note [trainable set changes] in fusedist/ddp/trainable.py)
+                         (Note [trainable set changes] in fusedist/ddp/trainable.py), chained
+                         with its modules' train/eval flags (Note [train and eval modes in the
+                         step check] in mode_check.py)
         params           every few steps and at check_consistency(), a digest of the
                          replicated parameters' values, else 0 (Note [parameter check] in
                          param_check.py)
@@ -67,6 +69,7 @@ from ..comm import Communicator, given_up_exit
 from ..comm.base import CollectiveError, global_ranks
 from .._process_hooks import at_exit
 from . import carried_check
+from .mode_check import EXPLAIN as MODES_EXPLAIN
 
 # A joined rank's value in every slot (Note [joined ranks]); real values are far above it.
 JOINED = -(2**62)
@@ -87,7 +90,8 @@ _EXPLAIN = {
     "unused": "a different set of parameters received gradients: a different branch of the model ran on some "
     "ranks (pass find_unused_parameters=True if that is intended)",
     "trainable": "ranks changed requires_grad of different parameters after wrapping the model (frozen or "
-    "unfrozen on some ranks only); change the same parameters on every rank, before the same forward",
+    "unfrozen on some ranks only); change the same parameters on every rank, before the same forward -- or "
+    "ran that forward with modules in different train/eval modes",
     "params": "the replicated parameters' values differ across ranks: a rank changed its gradients after they "
     "were averaged (code between backward() and optimizer.step() that writes p.grad on some ranks only), changed "
     "weights in place, loaded a checkpoint, stepped an optimizer or a learning-rate scheduler on its own, or the "
@@ -252,6 +256,12 @@ class StepCheck:
         describe = detail.get("describe_trainable")
         if describe is not None and _differs(table, column):
             detail = dict(detail, trainable_lines=describe(self.comm))  # a collective: same verdict everywhere
+        describe = detail.get("describe_modes")
+        if describe is not None and _differs(table, column):
+            mode_lines = describe(self.comm)  # (a collective too; lines only where some module's mode differs)
+            if mode_lines:
+                detail = dict(detail, mode_lines=mode_lines,
+                              explain=dict(detail.get("explain", {}), trainable=MODES_EXPLAIN))
         describe = detail.get("describe_params")
         if describe is not None and _differs(table, FIELDS.index("params")) and not _differs(table, 0):
             # (a collective too; with different step counts the digests are of different steps)
@@ -450,6 +460,7 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
         joined = [named[r] for r in joined] if named else joined
         lines.append(f"  ranks {joined} had run out of inputs (joined) and were not compared")
     lines.extend(detail.get("trainable_lines", ()))
+    lines.extend(detail.get("mode_lines", ()))
     lines.extend(detail.get("param_lines", ()))
     lines.extend(detail.get("replica_lines", ()))
     unused = detail.get("unused_names")

@@ -24,7 +24,8 @@ Note [a failure told at the step's end, several stages per rank]
     batch, and waits (bounded) for them and for the receives posted before the failure. Then, as on every
     rank at the end of every step, the one-integer all-reduce of Note [a failure told at the step's end]
     (once per rank, not per stage); every rank raises the same message, and no stage's step ends: each
-    refuses the next step. A stage module no one reduces gets its gradients back as the step found them;
+    refuses the next step. Every stage's buffers are put back as the step found them; a stage module no one
+    reduces gets its gradients back too;
     its division by the micro-batch count (its ``perform_reduce_grad``, a division only) waits for the
     exchange, so that a failed step divides nothing. A stage fusedist or torch reduces reduces at its
     place in the list, as before, and keeps the sums after a failure (as after any step that raised).

@@ -49,6 +49,17 @@ Note [the buffers a failed step puts back]
     copy or the snapshot. An in-place update the version counter does not see (through
     ``buf.data``, which counts apart) is neither learned nor put back, as in torch's stage, for a
     buffer not known to move; a running statistic is put back whatever updated it.
+    On a pipeline over several ranks the buffers were put back on one rank only: a failure told to every
+    rank (Note [a failure told at the step's end] in _pipeline_step_status.py, and the notices of a first
+    send that cannot be made in _pipeline_inference.py and _pipeline_notice_back.py) left every rank's
+    forwards' updates in place (a BatchNorm's batch count 0 -> 4 on rank 0 after a failed first step),
+    though no rank applied the step. The same record is now taken where such failures are told, and every
+    rank puts its buffers back when it raises the failure (its next step being refused). The cost on a step
+    that does not fail: per stage and step, one walk over the module's buffers reading their version
+    counters, and copies of the running statistics and of the buffers known to move only (the one-rank
+    case's cost); a buffer no forward changes is copied once, when first seen (in host memory for one on an
+    accelerator), and never again while its version stays. Not taken where no failure is told
+    (``FUSEDIST_CHECKS=0``, a schedule the exchange does not arm): such a step's buffers stay as it left them.
 """
 
 from __future__ import annotations

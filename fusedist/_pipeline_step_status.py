@@ -24,9 +24,12 @@ Note [a failure told at the step's end]
       loss or backward) and the exception; the failing rank's chains its own exception.
     No rank's step ends: each counts as one that raised (Note [a step that raised] in
     _pipeline_step_failures.py), so no optimizer step follows on any rank, and each rank's next step is
-    refused. A stage module no one reduces gets its gradients back as the step found them (the zeros were
-    backpropagated too); a ``fully_shard`` or DDP stage keeps the sums it reduced, as after any step that
-    raised. Every message of the failed step is matched, so the process group stays usable.
+    refused. Every stage module's buffers are put back as the step found them on every rank (a BatchNorm's
+    running statistics and batch count: the forwards before the failure and those on the zeros moved them;
+    Note [the buffers a failed step puts back] in _pipeline_step_failures.py). A stage module no one reduces
+    gets its gradients back as the step found them (the zeros were backpropagated too); a ``fully_shard`` or
+    DDP stage keeps the sums it reduced, as after any step that raised. Every message of the failed step is
+    matched, so the process group stays usable.
     The cost on a step that does not fail: one all-reduce of one integer per step and rank, read on the host
     (on an accelerator: the host waits for the step's work before the step returns; on gloo, two CPU ranks,
     ~0.25 ms a step); ``FUSEDIST_CHECKS=0`` (on every rank) turns it off, and such a failure then reaches the
@@ -174,12 +177,23 @@ def step_end_failure(stage):
 
 
 def put_back(stage) -> None:
-    """A stage module no one reduces gets its gradients back as the failed step found them (one fusedist or
-    torch reduces keeps its sums, as does a step accumulating under the user's own switch: Note [a step that
-    raised] in _pipeline_step_failures.py)."""
+    """The stage module's buffers as the failed step found them, every kind of stage module (Note [the
+    buffers a failed step puts back] in _pipeline_step_failures.py); a stage module no one reduces gets its
+    gradients back too (one fusedist or torch reduces keeps its sums, as does a step accumulating under the
+    user's own switch: Note [a step that raised] there)."""
     step = getattr(stage, "_step", None)
+    put_back_buffers(stage)
     if step is not None and step.backwards and getattr(stage, "_plain_stage", False) and not step.held_over:
         put_back_gradients(stage, step)
+
+
+def put_back_buffers(stage) -> None:
+    """A pipeline over several ranks: the stage module's buffers as the failed step found them, now (the next
+    step is refused; on one rank the next step puts them back: Note [a step that raised])."""
+    step = getattr(stage, "_step", None)
+    if step is not None and step.buffers is not None and stage.group_size > 1:
+        step.buffers.put_back()
+        step.buffers = None
 
 
 def exchange(stage, message, on_zeros: bool = False):

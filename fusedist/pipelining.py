@@ -149,7 +149,7 @@ from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain
 from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, last_schedule, schedule_stepping
 from ._pipeline_schedule_step import wrap_step
 from ._pipeline_step_status import (
-    began, micro_batches, several_armed, status_armed, step_end_failure, told_at_step_end)
+    began, micro_batches, put_back_buffers, several_armed, status_armed, step_end_failure, told_at_step_end)
 from ._pipeline_vote import backward_result, forward_vote
 from .fsdp.grad_view import ShardGrad
 
@@ -256,6 +256,7 @@ class PipelineStage(_TorchPipelineStage):
             read_back_notice(self, bwd_chunk_id)
         except PeerFailedFirstSendAfter as e:
             tell_upstream(self, bwd_chunk_id, str(e), told=True)
+            put_back_buffers(self)  # Note [the buffers a failed step puts back] (_pipeline_step_failures.py)
             raise RuntimeError(str(e)) from None
         try:
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
@@ -283,6 +284,7 @@ class PipelineStage(_TorchPipelineStage):
             if not isinstance(e, PeerFailedFirstSend) and not (told and getattr(self, "_back_armed", False)) \
                     and (failed := told_at_step_end(self, fwd_chunk_id, e, "", False)) is not None:
                 raise failed from e  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+            put_back_buffers(self)  # Note [the buffers a failed step puts back] (_pipeline_step_failures.py)
             message = send_failure(self, fwd_chunk_id, e)
             if isinstance(e, PeerFailedFirstSend):
                 raise RuntimeError(message) from None
@@ -295,7 +297,7 @@ class PipelineStage(_TorchPipelineStage):
         step = getattr(self, "_step", None)  # Note [a step that raised]
         if fwd_chunk_id == 0:  # a step begins: no backward of it has run yet
             self._backward_passes = 0
-            if step is not None and self.group_size == 1:  # what a step that raised puts back
+            if step is not None and (self.group_size == 1 or status_armed(self)):  # what a failed step puts back
                 step.buffers = kept_buffers(self).began(self.submod)
             if self.has_backward:  # Note [accumulating over synchronized pipeline steps]
                 held_over = getattr(self, "_held_over", False)

@@ -38,17 +38,20 @@ WIDTH, MICRO_BATCHES, BATCH = 8, 4, 8
 
 class _Stage(nn.Module):
     """A linear layer whose forward raises while ``broken``, or at the forward (or the backward) of the
-    micro-batch ``fail_forward`` (``fail_backward``) of a step, counted by ``calls``."""
+    micro-batch ``fail_forward`` (``fail_backward``) of a step, counted by ``calls``; the forwards that ran, by
+    the buffer ``forwards`` (a batch count, as a BatchNorm's)."""
 
     def __init__(self):
         super().__init__()
         self.lin, self.broken = nn.Linear(WIDTH, WIDTH), False
         self.calls, self.fail_forward, self.fail_backward = 0, None, None
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
 
     def forward(self, x):
         chunk, self.calls = self.calls, self.calls + 1
         if self.broken or chunk == self.fail_forward:
             raise ValueError("the stage module broke")
+        self.forwards.add_(1)
         out = torch.tanh(self.lin(x))
         if chunk == self.fail_backward:
             out.register_hook(_broken_backward)
@@ -104,9 +107,9 @@ def _good_step_difference(rank, world, seed, schedule_name, static):
 
 def _told_upstream_worker(rank, world, seed, schedule_name, bad_stage):
     """Stage ``bad_stage``'s module raises at micro-batch 0 (shapes given; ``bad_stage`` None: the loss_fn
-    raises there): what each rank raised and in how many seconds, whether its gradients are still None,
-    whether an all_reduce works, what the next step raised, and a fresh pipeline's difference from the
-    unpipelined model."""
+    raises there): what each rank raised and in how many seconds, whether its gradients are still None and its
+    buffer counts no forward, whether an all_reduce works, what the next step raised, and a fresh pipeline's
+    difference from the unpipelined model."""
     torch.manual_seed(seed)
     module = _Stage()
     module.broken = rank == bad_stage
@@ -123,7 +126,7 @@ def _told_upstream_worker(rank, world, seed, schedule_name, bad_stage):
     began = time.monotonic()
     raised = _refused(lambda: _step(schedule, rank, world, x, y))
     seconds = time.monotonic() - began
-    untouched = all(p.grad is None for p in module.parameters())
+    untouched = all(p.grad is None for p in module.parameters()) and int(module.forwards) == 0
     total = torch.ones(1)
     torch.distributed.all_reduce(total)
     module.broken = False
@@ -203,8 +206,9 @@ def test_a_failed_first_forward_fails_the_ranks_before_it_at_once(schedule_name,
     """Note [a first send that cannot be made, told upstream]: every rank (those before the failing stage
     too: they waited for the group's timeout) raises within 5 s the same message, naming the stage, its
     rank and the module's exception (or the loss_fn's, on the last stage); nothing was applied (gradients
-    None); the group works; the next step is refused; a fresh pipeline on the group gives the unpipelined
-    model's gradients (fp32: 1e-6)."""
+    None), and the buffers are as the step found them (a batch count the forwards before the failure moved,
+    1 or 2 on the ranks before it, was kept); the group works; the next step is refused; a fresh pipeline on
+    the group gives the unpipelined model's gradients (fp32: 1e-6)."""
     results = results_of(launched, f"upstream {schedule_name} {bad_stage}")
     told = (f"stage {bad_stage} (rank {bad_stage} of the pipeline's group) failed at micro-batch 0: "
             "ValueError: the stage module broke" if bad_stage is not None else

@@ -22,7 +22,9 @@ fusedist/_pipeline_inference.py, fusedist/_pipeline_step_failures.py), on gloo:
   kept the failed step's update), and the schedule is still found under a stage class with three
   ``clear_runtime_states`` overrides and with a second schedule over the same stage.
 - Note [the buffers a failed step puts back]: a large fixed buffer is no longer copied at every step, and a
-  buffer first updated in the failing step is put back too (from its snapshot), BatchNorm statistics alike.
+  buffer first updated in the failing step is put back too (from its snapshot), BatchNorm statistics alike; on a
+  pipeline over both ranks (one stage per rank, or two) a failure told to every rank now puts every rank's
+  buffers back as the step found them, where the forwards' updates were kept.
 - Note [examples that need no gradient] (fusedist/_pipeline_inference.py): user-given examples made without
   ``requires_grad`` broke the first training step (a backward error on one rank, the other waiting); the
   pipeline now trains and evaluates as the unpipelined model.
@@ -439,6 +441,56 @@ def _buffers_after_a_failed_step_worker(rank, world_size, seed, schedule_name):
     return stats, grads, len(cache_copies), int(model[0].count)
 
 
+def _counting_blocks(seed: int, n: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(_Counting(), nn.BatchNorm1d(WIDTH), nn.Tanh()) for _ in range(n)])
+
+
+def _buffers_across_ranks_worker(rank, world_size, seed, schedule_name):
+    """Note [the buffers a failed step puts back], a pipeline over both ranks (one stage per rank, or two): a good
+    step, the counts switched on, a step whose micro-batch 2 has a target out of range; what the rank raised, the
+    largest difference of its stage modules' buffers from those the failed step found, their counts, and the
+    copies of the fixed caches the failed step took."""
+    several = schedule_name not in ("ScheduleGPipe", "Schedule1F1B")
+    n = 2 * world_size if several else world_size
+    blocks = _counting_blocks(seed, n)
+    indices = _stage_indices(schedule_name, rank, world_size) if several else [rank]
+    if several:
+        stages, schedule = _several_stages(schedule_name, rank, world_size, {i: blocks[i] for i in indices},
+                                           _cross_entropy)
+    else:
+        from torch.distributed import pipelining
+
+        from fusedist.pipelining import PipelineStage
+
+        stages = [PipelineStage(blocks[rank], rank, n, torch.device("cpu"))]
+        schedule = getattr(pipelining, schedule_name)(stages[0], n_microbatches=MICRO_BATCHES,
+                                                      loss_fn=_cross_entropy)
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(8, WIDTH, generator=g), torch.randint(0, WIDTH, (8,), generator=g)) for _ in range(2)]
+    batches[1][1][5] = WIDTH  # micro-batch 2 (rows 4, 5): the last stage's loss raises
+    assert _refused(lambda: _several_stages_step(schedule, stages, *batches[0])) is None
+    for i in indices:
+        blocks[i][0].counting = True
+    before = [b.clone() for i in indices for b in blocks[i].buffers()]
+    clone, cache_copies = torch.Tensor.clone, []
+
+    def counted(tensor, *args, **kwargs):
+        if tensor.shape == (64, WIDTH):
+            cache_copies.append(tuple(tensor.shape))
+        return clone(tensor, *args, **kwargs)
+
+    torch.Tensor.clone = counted
+    try:
+        raised = _refused(lambda: _several_stages_step(schedule, stages, *batches[1]))
+    finally:
+        torch.Tensor.clone = clone
+    after = [b for i in indices for b in blocks[i].buffers()]
+    diff = max(float((a.double() - b.double()).abs().max()) for a, b in zip(before, after))
+    counts = [int(blocks[i][1].num_batches_tracked) for i in indices] + [int(blocks[i][0].count) for i in indices]
+    return raised, diff, counts, len(cache_copies)
+
+
 def _overridden_clearing_worker(rank, world_size, seed):
     """A one-rank pipeline (Schedule1F1B) whose stage class overrides ``clear_runtime_states`` three
     times over fusedist's (a user's subclass of two mixins, each calling ``super()``), and a second
@@ -628,6 +680,22 @@ def test_a_failed_step_puts_back_buffers_without_copying_fixed_ones_each_step(sc
         assert cache_copies == 0, (rank, out)
 
 
+@pytest.mark.parametrize("schedule_name", ["Schedule1F1B", "ScheduleInterleaved1F1B"])
+def test_a_failed_step_across_ranks_puts_back_the_buffers_on_every_rank(schedule_name, launched):
+    """Note [the buffers a failed step puts back] on a pipeline over two ranks (one stage per rank, or two): a
+    failed step told to every rank left the forwards' updates in the buffers (BatchNorm running statistics and
+    batch counts, 4 -> 8 or so; a count first updated in that step). Now every rank's stage modules hold the
+    buffers the failed step found, exactly, and the step copied none of the fixed caches (their snapshots were
+    taken once, in the first step)."""
+    results = results_of(launched, f"buffers across ranks {schedule_name}")
+    assert len({raised for raised, *_ in results}) == 1, results
+    for rank, (raised, diff, counts, cache_copies) in enumerate(results):
+        assert raised is not None and "out of bounds" in raised, (rank, raised)
+        k = len(counts) // 2  # (BatchNorm counts: the good step's micro-batches; the counts switched on after it)
+        assert diff == 0 and counts == [MICRO_BATCHES] * k + [0] * k, (launched["seed"], rank, diff, counts)
+        assert cache_copies == 0, (rank, cache_copies)
+
+
 def test_a_step_after_a_failed_one_is_found_through_overrides_and_a_second_schedule(launched):
     """Note [a step that raised]: the stage finds the schedule whose step begins by walking out of
     ``clear_runtime_states``; a fixed depth lost it under a stage class with three overrides, and
@@ -647,6 +715,9 @@ def launched(request):
         "test_a_failed_step_puts_back_buffers_without_copying_fixed_ones_each_step": {
             f"buffers after a failed step {name}": (_buffers_after_a_failed_step_worker, (seed, name))
             for name in ("ScheduleGPipe", "ScheduleInterleaved1F1B")},
+        "test_a_failed_step_across_ranks_puts_back_the_buffers_on_every_rank": {
+            f"buffers across ranks {name}": (_buffers_across_ranks_worker, (seed, name))
+            for name in ("Schedule1F1B", "ScheduleInterleaved1F1B")},
         "test_a_failed_step_leaves_the_batch_norm_statistics_as_before": {
             f"batch norm after a failed step {name}": (_batch_norm_after_a_failed_step_worker, (seed, name))
             for name in ("ScheduleGPipe", "ScheduleInterleaved1F1B")},

@@ -11,6 +11,7 @@
   fallback, and the elastic sampler's exactly-once re-split.
 """
 
+import math
 import os
 import re
 import shutil
@@ -115,6 +116,27 @@ def test_relaunch_at_another_rank_count_reshards_and_resplits_the_epoch(restarte
     loss = float(_final(out)[0])
     assert 0 < loss < 3.5  # trained on (the untrained loss is ~3.6), not restarted from scratch
     assert layout.latest_complete(ckpt).step == 50
+    # The optimizer state went on from step 40 (an AdamW state started afresh at 3 ranks counts
+    # 10 steps; the loss above cannot tell), held once over the 3 ranks' shards.
+    steps, coverage = _optimizer_steps_and_coverage(layout.step_dir(ckpt, 50), world=3)
+    assert steps == {50.0}, f"the optimizer state's step counts at step 50: {sorted(steps)}"
+    assert all(held == numel for held, numel in coverage.values()), coverage
+
+
+def _optimizer_steps_and_coverage(step_dir: str, world: int) -> tuple[set, dict]:
+    """The AdamW step counts in a ZeRO checkpoint's shard files, and per parameter (elements held
+    by the shards, its numel): read from the files, not through a load that could fill gaps."""
+    steps, held, numels = set(), {}, []
+    for rank in range(world):
+        shard = torch.load(os.path.join(step_dir, f"rank-{rank:05d}.pt"), weights_only=False)["optimizer_shard"]
+        assert shard["world_size"] == world, (step_dir, shard["world_size"])
+        numels = [math.prod(meta["shape"]) for meta in shard["param_meta"]]
+        for index, fragments in shard["fragments"].items():
+            for fragment in fragments:
+                start, end = fragment["range"]
+                held[index] = held.get(index, 0) + end - start
+                steps.add(float(fragment["state"]["step"]))
+    return steps, {index: (held.get(index, 0), numel) for index, numel in enumerate(numels)}
 
 
 def test_zero3_demo_restarts_and_matches_ddp_bitwise(torchrun_jobs):

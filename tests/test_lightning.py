@@ -9,13 +9,29 @@ kernels vs torch's foreach ops, bucketed vs torch's all-reduce), measured differ
 
 import json
 import os
+import subprocess
+import sys
 
+import pytest
 from torchrun_launch import finish, launch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "lightning_parity.py")
 
 
-def test_trainer_with_fusedist_strategy_matches_lightning_ddp(tmp_path):
+@pytest.fixture(scope="module")
+def import_check():
+    """A fresh interpreter that imports fusedist and its integrations and prints whether that
+    imported Lightning, started by the first test that asks: its seconds of ``import torch``
+    overlap the torchrun job's start-up instead of adding to them."""
+    code = "import fusedist, fusedist.integrations, sys; print('lightning' in sys.modules)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+def test_trainer_with_fusedist_strategy_matches_lightning_ddp(tmp_path, import_check):
     out = tmp_path / "results.json"
     code, log = finish(launch(SCRIPT, str(out)), timeout=240)
     assert code == 0, log[-4000:]
@@ -38,10 +54,7 @@ def test_trainer_with_fusedist_strategy_matches_lightning_ddp(tmp_path):
             assert r["scaler"] == "fusedist.amp.grad_scaler.GradScaler", (name, r)
 
 
-def test_import_fusedist_does_not_import_lightning():
-    import subprocess
-    import sys
-
-    code = "import fusedist, fusedist.integrations, sys; print('lightning' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "False"
+def test_import_fusedist_does_not_import_lightning(import_check):
+    out, err = import_check.communicate(timeout=120)
+    assert import_check.returncode == 0, err[-3000:]
+    assert out.strip() == "False", (out, err[-3000:])

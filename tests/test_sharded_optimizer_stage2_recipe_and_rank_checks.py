@@ -24,7 +24,9 @@
   comparison read without a synchronization]); the run trains as torch's AdamW otherwise.
   A step that applied nothing so (skipped, or refused on every rank) leaves an LR scheduler's
   first step warning "before `optimizer.step()`", as torch's does after a step its GradScaler
-  skipped or refused (Note [a refused or skipped sharded step and the LR scheduler]).
+  skipped or refused (Note [a refused or skipped sharded step and the LR scheduler]), also with
+  the scheduler built on a framework's wrapper of the optimizer (the flag is the wrapper's; the
+  decision was kept on the wrapper, where the optimizer's step never found it, and no warning came).
 * A stage-1 optimizer following a module wrapped again is seen through a framework wrapper that
   copied its ``__dict__`` with its new DDP model (``ddp`` is shared state), and steps from the
   newer wrapper's gradient buckets, without a copy of its own (Note [the buckets of a newer
@@ -423,11 +425,12 @@ def _scheduler_after_a_step_that_applied_nothing(rank, world, seed):
     first step: the next step applies nothing -- skipped by the comparison verdict kept on the
     device (an accelerator, simulated), or refused on every rank (gloo) -- and the scheduler's first
     step warns as torch's does after a step its GradScaler skipped or refused; after a step that
-    applied its update (the verdict kept, the ranks alike) it does not."""
+    applied its update (the verdict kept, the ranks alike) it does not. Also with the scheduler
+    built on a framework's wrapper of the optimizer, stepped through the wrapper."""
     import fusedist
     from fusedist.zero import trainable_check
 
-    def first_steps(on_device, differ):
+    def first_steps(on_device, differ, wrapped=False):
         model = _net(seed)
         model[2].requires_grad_(False)
         opt = fusedist.ZeroRedundancyOptimizer(list(model.parameters()), torch.optim.AdamW, lr=0.01)
@@ -435,6 +438,8 @@ def _scheduler_after_a_step_that_applied_nothing(rank, world, seed):
         nn.functional.mse_loss(model(x), y).backward()
         _average(model, world)
         opt.step()
+        if wrapped:
+            opt = _CopyingWrapper(opt)
         scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
         if differ and rank == 1:
             model[2].requires_grad_(True)
@@ -454,7 +459,8 @@ def _scheduler_after_a_step_that_applied_nothing(rank, world, seed):
         return [e.split(":")[0] for e in errors], warned
 
     return {"skipped": first_steps(True, True), "refused": first_steps(False, True),
-            "applied": first_steps(True, False)}
+            "applied": first_steps(True, False), "wrapped skipped": first_steps(True, True, True),
+            "wrapped refused": first_steps(False, True, True), "wrapped applied": first_steps(True, False, True)}
 
 
 def _followed_wrapper(rank, world, seed):
@@ -570,3 +576,5 @@ def test_scheduler_after_a_step_that_applied_nothing_warns_as_torchs(launched):
         assert ours["skipped"] == (["no error", "RankMismatchError"], True), (rank, ours)
         assert ours["refused"] == (["RankMismatchError"], True), (rank, ours)
         assert ours["applied"] == (["no error"], False), (rank, ours)
+        for how in ("skipped", "refused", "applied"):  # (the scheduler built on a framework's wrapper)
+            assert ours[f"wrapped {how}"] == ours[how], (rank, how, ours)

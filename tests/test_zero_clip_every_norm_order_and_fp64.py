@@ -8,6 +8,9 @@
 * a float64 model under stage 2 with clipping: the norm and the parameters match torch's to
   float64 precision (the norm and the clip coefficient are not rounded to float32), also in the
   step that a parameter unfrozen without DDP joins in;
+* a model with float32 and float64 parameters, in both stages: the float32 gradients' norm is taken
+  in float32 as torch's clip takes it (each gradient's norm in its own dtype), not in float64
+  because float64 gradients are beside it, so the norm matches torch's to float64 precision;
 * ``FusedSGD`` with ``dampening`` given as a tensor, in float64: torch's update exactly;
 * a fused optimizer's float64 gradients clipped after ``GradScaler.unscale_`` (also a lazy
   one): torch's norm and update exactly (the coefficient is not rounded to float32).
@@ -137,6 +140,65 @@ def test_zero_parameter_unfrozen_in_float64_is_clipped_by_torchs_float64_norm(la
     results_of(launched, "float64 unfrozen")
 
 
+class _MixedPrecisionNet(nn.Module):
+    """A float64 layer and a float32 vector of 16 elements (one rank's whole slice of its padded
+    bucket at 2 ranks, so its norm is taken over the whole tensor as torch's is), the float32
+    gradient dominating the norm."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wide = nn.Linear(6, 8).double()
+        self.narrow = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return self.wide(x.double()).square().sum() + (self.narrow * x.float().sum() * 10).square().sum().double()
+
+
+def _mixed_precision_worker(rank, ws, stage):
+    import fusedist
+
+    base = _MixedPrecisionNet()
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.SGD, stage=stage, lr=1e-4)
+    ref = torch.optim.SGD(theirs.parameters(), lr=1e-4)
+    clips = [lambda: opt.clip_grad_norm_(1.0), lambda: fusedist.clip_grad_norm_(ours.parameters(), 1.0)]
+    for step, clip in enumerate(clips):
+        x = _batch(rank, step, torch.float64)
+        for model, optimizer in ((ours, opt), (theirs, ref)):
+            optimizer.zero_grad()
+            model(x).backward()
+        got, want = clip(), nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
+        assert got.dtype == want.dtype == torch.float64
+        assert abs(got.item() - want.item()) <= 1e-14 * want.item(), (step, got.item(), want.item())
+        opt.step()
+        ref.step()
+        assert _diff(ours, theirs) < 1e-7, (step, _diff(ours, theirs))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_float32_norm_beside_float64_is_taken_in_float32_as_torchs(stage, launched):
+    results_of(launched, f"mixed precision {stage}")
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0])
+def test_tensor_norms_take_each_norm_in_its_own_dtype_as_torchs_clip(norm_type):
+    """The per-tensor norms the sharded clips add up: an fp32 tensor's in fp32 beside an fp64 one,
+    bit for bit torch's (torch.nn.utils.get_total_norm takes each in the tensor's dtype), a bf16
+    one's in fp32 (not rounded to bf16: see tensor_norms)."""
+    from fusedist.optim.grad_norms import tensor_norms
+
+    g = torch.Generator().manual_seed(5)
+    narrow, wide, low = (torch.randn(999, generator=g) * 7, torch.randn(50, generator=g).double(),
+                         torch.randn(40, generator=g).bfloat16())
+    got = tensor_norms([narrow, wide, low], norm_type)
+    want = [torch.linalg.vector_norm(narrow, norm_type), torch.linalg.vector_norm(wide, norm_type),
+            torch.linalg.vector_norm(low.float(), norm_type)]
+    assert got.dtype == torch.float64
+    assert got.tolist() == [w.item() for w in want]
+
+
 @pytest.fixture(scope="module")
 def launched(request):
     """The selected 2-rank cases in one launch (each builds its own models and optimizers)."""
@@ -146,6 +208,8 @@ def launched(request):
         "test_zero_stage2_float64_clip_matches_torch_to_float64_precision": {"float64": (_float64_worker, ())},
         "test_zero_parameter_unfrozen_in_float64_is_clipped_by_torchs_float64_norm": {
             "float64 unfrozen": (_float64_unfrozen_worker, ())},
+        "test_zero_float32_norm_beside_float64_is_taken_in_float32_as_torchs": {
+            f"mixed precision {stage}": (_mixed_precision_worker, (stage,)) for stage in (1, 2)},
     }, 2, timeout=300)
 
 

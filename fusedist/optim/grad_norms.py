@@ -39,16 +39,23 @@ def magnitudes(tensors: Sequence[torch.Tensor], norm_type: float) -> list:
 
 def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float = 2.0,
                  at_least: torch.dtype = torch.float32) -> torch.Tensor:
-    """The norm of each tensor, stacked, computed in ``at_least`` (fp64 where a tensor is fp64
-    or complex128). A complex tensor's norm is that of its magnitudes (:func:`magnitudes`).
+    """The norm of each tensor, stacked (in the widest dtype among them), each computed in its
+    own dtype or ``at_least`` if that is wider -- torch's clip takes each gradient's norm in the
+    gradient's dtype, so an fp32 gradient's norm is rounded to fp32 also beside fp64 ones. A
+    complex tensor's norm is that of its magnitudes (:func:`magnitudes`).
 
-    Not in the tensors' own dtype: a bf16/fp16 part's norm rounded to 8 (11) bits before the
+    Not below ``at_least``: a bf16/fp16 part's norm rounded to 8 (11) bits before the
     parts are combined makes a total over sharded gradients depend on where the shards are cut
     (a bf16 global norm 6e-4 off at 2 ranks, 2e-3 at 3, for the same gradients), and an fp16
     norm overflows where no element does."""
     tensors = magnitudes(tensors, norm_type)  # (complex128 becomes float64 here)
-    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else at_least
-    return torch.stack(torch._foreach_norm(list(tensors), norm_type, dtype=dtype))
+    computed_in = [torch.promote_types(t.dtype, at_least) for t in tensors]
+    norms: list = [None] * len(tensors)
+    for dtype in dict.fromkeys(computed_in):
+        at = [i for i, d in enumerate(computed_in) if d == dtype]
+        for i, norm in zip(at, torch._foreach_norm([tensors[i] for i in at], norm_type, dtype=dtype)):
+            norms[i] = norm
+    return torch.stack(norms)  # (promotes to the widest)
 
 
 @torch.no_grad()

@@ -16,43 +16,53 @@ Note [a refused or skipped sharded step and the LR scheduler]
     wrapper's decision is remembered with the flag before it (:func:`remember`), and taken up
     again once the step has run: a step that raised puts the flag back as it was, and a step
     the kept verdict skipped counts as a step the scaler skipped.
+
+    A scheduler built on a framework's wrapper of the optimizer (Fabric's ``setup_optimizers``,
+    Lightning's LightningOptimizer; Note [state shared with wrappers] in shared_state.py) wraps
+    the wrapper's ``step``, so the flag and the decision land on the wrapper, whose step then
+    calls the optimizer's: the decision is kept in the shared state with the object that holds
+    the flag, where the optimizer's step finds it (a mark kept on the wrapper was never seen,
+    and such a refused or skipped first step went without the warning).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 from . import trainable_check
 
 _FLAG = "_fusedist_opt_called"  # where the scaler protocol keeps ``_opt_called`` (its property)
-_MARK = "_fusedist_zero_flag_mark"
 
 
-def remember(zero, before, decided, found) -> None:
-    """The scheduler's wrapper set the flag: what it was, what was decided, and the scaler's
-    found-inf flag then (the step clears it)."""
-    zero.__dict__[_MARK] = (before, decided, found)
+def remember(holder, before, decided, found) -> None:
+    """The scheduler's wrapper set the flag of ``holder`` (the optimizer or a framework's wrapper
+    of it): what it was, what was decided, and the scaler's found-inf flag then (the step clears
+    it), kept in the state the optimizer shares with its wrappers."""
+    holder._zero_flag_mark = (weakref.ref(holder), before, decided, found)
 
 
 def take(zero) -> Optional[tuple]:
-    """At the start of ``step()``: what :func:`remember` kept for this call, or None -- also
-    where the flag no longer holds the decision (a mark set outside a step, put back since)."""
-    mark = zero.__dict__.pop(_MARK, None)
-    if mark is None or zero.__dict__.get(_FLAG) is not mark[1]:
+    """At the start of ``step()``: ``(holder, before, decided, found)`` as :func:`remember` kept
+    it for this call, or None -- also where the flag no longer holds the decision (a mark set
+    outside a step, put back since)."""
+    mark, zero._zero_flag_mark = zero._zero_flag_mark, None
+    holder = mark[0]() if mark is not None else None
+    if holder is None or holder.__dict__.get(_FLAG) is not mark[2]:
         return None
-    return mark
+    return (holder,) + mark[1:]
 
 
 def undo(zero, mark: Optional[tuple]) -> None:
     """The step raised: it was no step, the flag is as before the call."""
-    if mark is not None and zero.__dict__.get(_FLAG) is mark[1]:
-        zero.__dict__[_FLAG] = mark[0]
+    if mark is not None and mark[0].__dict__.get(_FLAG) is mark[2]:
+        mark[0].__dict__[_FLAG] = mark[1]
 
 
 def redecide(zero, mark: Optional[tuple]) -> None:
     """The step ran: with a comparison verdict kept on the device (which skipped it where the
     ranks differ), the flag is decided from the scaler's flag and the verdict together."""
-    if mark is None or zero._trainable_verdict is None or zero.__dict__.get(_FLAG) is not mark[1]:
+    if mark is None or zero._trainable_verdict is None or mark[0].__dict__.get(_FLAG) is not mark[2]:
         return
-    before, _, found = mark
-    zero.__dict__[_FLAG] = zero._fusedist_step_ran_given(before, trainable_check.with_skip(zero, found))
+    holder, before, _, found = mark
+    holder.__dict__[_FLAG] = zero._fusedist_step_ran_given(before, trainable_check.with_skip(zero, found))

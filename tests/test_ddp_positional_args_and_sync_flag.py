@@ -1,6 +1,7 @@
 """fusedist.DistributedDataParallel's module API against torch's DistributedDataParallel on 2 gloo
 ranks: torch's positional arguments, the ``require_backward_grad_sync`` flag scripts set instead
-of ``no_sync()``, and torch's read-only settings attributes.
+of ``no_sync()``, torch's read-only settings attributes, and torch's logging dict
+(``_get_ddp_logging_data``, Note [torch's DDP logging data] in fusedist/ddp/logging_data.py).
 The two-rank scenarios share one launch of the ranks (``launched``)."""
 
 from __future__ import annotations
@@ -101,6 +102,86 @@ def test_torchs_settings_attributes_are_readable(launched):
         assert out["fusedist"] == out["torch"] == (True, False, True, True)
 
 
+class _WithFrozenAndUnused(nn.Module):
+    """A frozen layer (not counted by torch's logger) and an unused one (counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.unused, self.frozen = nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(3, 3), nn.Linear(2, 2)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+# torch's sampled timings, which the dict leaves to ``comm_stats()`` (Note [torch's DDP logging data])
+_TIMING_KEYS = ("avg_", "backward_", "forward_", "has_rebuilt", "num_buckets_reduced", "prev_iteration",
+                "rebuilt_", "unused_parameter_size")
+
+
+def _logging_data_worker(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import fusedist
+
+    cases = {  # name: (options, hook, training iterations, sample rate, joined)
+        "unused, 13 iterations": (dict(find_unused_parameters=True, bucket_cap_mb=0.0001), None, 13, None, False),
+        "static graph, a hook, rate 3": (dict(static_graph=True, broadcast_buffers=False), "allreduce", 14, 3, False),
+        "builtin hook": (dict(find_unused_parameters=True), "fp16", 2, None, False),
+        "joined": (dict(find_unused_parameters=True), None, 2, None, True),
+        "fresh": ({}, None, 0, None, False),
+    }
+    out = {}
+    wrappers = (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel))
+    for name, (options, hook, iterations, rate, joined) in cases.items():
+        for who, cls in wrappers:
+            torch.manual_seed(0)
+            model = cls(_WithFrozenAndUnused(), gradient_as_bucket_view=True, **options)
+            if rate:
+                model._set_ddp_runtime_logging_sample_rate(rate)
+            if hook == "allreduce":
+                model.register_comm_hook(None, default_hooks.allreduce_hook)
+            elif hook == "fp16":
+                model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+            gen = torch.Generator().manual_seed(30 + rank)
+            with model.join(enable=joined):
+                for i in range(iterations + (rank if joined else 0)):
+                    if i == 1 and not joined:  # (torch's join pairs every forward) neither kind counts:
+                        with torch.no_grad():  # an evaluating one,
+                            model(torch.randn(3, 4, generator=gen))
+                        with model.no_sync():  # an accumulating one
+                            model(torch.randn(3, 4, generator=gen)).sum().backward()
+                    model(torch.randn(3, 4, generator=gen)).sum().backward()
+            data = model._get_ddp_logging_data()
+            out[(name, who)] = {k: v for k, v in data.items() if not k.startswith(_TIMING_KEYS)}
+        try:
+            model._set_ddp_runtime_logging_sample_rate(0)
+        except ValueError as e:
+            out["rate 0"] = str(e)
+    # (torch's DDP refuses SyncBatchNorm on CPU: fusedist's counts as torch's does on GPU)
+    synced = fusedist.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), fusedist.nn.SyncBatchNorm(4)))
+    out["has_sync_bn"] = synced._get_ddp_logging_data()["has_sync_bn"]
+    return out
+
+
+def test_ddp_logging_data_as_torchs(launched):
+    """``_get_ddp_logging_data()`` (torch's documented way to read a DDP model's settings) was an
+    AttributeError; the same keys and values as torch's DDP now, its sampled timings aside."""
+    for out in results_of(launched, "logging data"):
+        for name in ("static graph, a hook, rate 3", "builtin hook", "joined", "fresh"):
+            assert out[(name, "fusedist")] == out[(name, "torch")], name
+        # below the size of one layer the buckets are cut differently, holding the same bytes
+        ours, ref = out[("unused, 13 iterations", "fusedist")], out[("unused, 13 iterations", "torch")]
+        assert {**ours, "bucket_sizes": None} == {**ref, "bucket_sizes": None}
+        assert sum(map(int, ours["bucket_sizes"].split(", "))) == sum(map(int, ref["bucket_sizes"].split(", ")))
+        # the 14th forward records the 13th iteration's count; after the first 10, multiples of the rate
+        assert out[("static graph, a hook, rate 3", "torch")]["iteration"] == 12
+        assert out[("unused, 13 iterations", "torch")]["iteration"] == 10
+        assert "sample rate should be equal or greater than 1" in out["rate 0"]
+        assert out["has_sync_bn"] == 1
+
+
 # ---------------------------------------------------------------- the shared launch
 @pytest.fixture(scope="module")
 def launched(request):
@@ -108,4 +189,5 @@ def launched(request):
         "test_torchs_positional_arguments_bind_as_in_torch": {"positional": (_positional_worker, ())},
         "test_require_backward_grad_sync_false_keeps_gradients_local_as_torch": {"flag": (_flag_worker, ())},
         "test_torchs_settings_attributes_are_readable": {"attributes": (_attributes_worker, ())},
+        "test_ddp_logging_data_as_torchs": {"logging data": (_logging_data_worker, ())},
     }, 2, timeout=240)

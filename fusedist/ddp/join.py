@@ -162,6 +162,7 @@ class DDPJoinState:
         self.synced = False  # whether this iteration synchronized gradients (ZeRO's hook reads it)
         self.trace: Optional[list] = None  # SyncBatchNorm layers of the last training forward
         self.has_sync_bn = any(_is_sync_bn(m) for m in ddp.module.modules())
+        ddp._joined_once = True  # torch logs that uneven inputs were joined (Note [torch's DDP logging data])
 
 
 def _is_sync_bn(module) -> bool:

@@ -1,6 +1,7 @@
 """What torch's DDP does around its reducer that scripts rely on: inputs copied to the
 ``device_ids`` GPU, the legacy ``to_kwargs``/``scatter``/``gather`` helpers, parameters and
-buffers marked rank-local, and the private names scripts call (``_register_builtin_comm_hook``).
+buffers marked rank-local, and the private names scripts call (``_register_builtin_comm_hook``,
+``_get_ddp_logging_data``).
 A mixin of :class:`~fusedist.ddp.wrapper.DistributedDataParallel`, kept apart from the gradient engine it wraps.
 
 Note [inputs moved to the module's device]
@@ -41,6 +42,8 @@ from torch import nn
 from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+from .logging_data import DEFAULT_SAMPLE_RATE, check_sample_rate, ddp_logging_data
+
 __all__ = ["TorchDDPSurface"]
 
 
@@ -56,6 +59,9 @@ class TorchDDPSurface:
         self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
         self._ignored_slots = ignored_slots(module, self.parameters_to_ignore)
+        self._synced_forwards = 0  # torch's iteration count (Note [torch's DDP logging data])
+        self._logging_sample_rate = DEFAULT_SAMPLE_RATE
+        self._joined_once = False
 
     # ------------------------------------------------------------ Note [inputs moved to the module's device]
     def _inputs_on_device(self, args, kwargs) -> tuple:
@@ -82,6 +88,15 @@ class TorchDDPSurface:
         """torch's name for ``register_builtin_comm_hook`` (torch's DDP has only this private one,
         and its docs show ``ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)``)."""
         self.register_builtin_comm_hook(comm_hook_type)
+
+    def _get_ddp_logging_data(self) -> dict:
+        """torch's DDP logging dict: settings, group, environment, buckets (Note [torch's DDP
+        logging data] in logging_data.py)."""
+        return ddp_logging_data(self)
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        """torch's: after the first 10 iterations, ``iteration`` is recorded every ``sample_rate``."""
+        self._logging_sample_rate = check_sample_rate(sample_rate)
 
     # ------------------------------------------------------------ Note [parameters and buffers DDP ignores]
     @staticmethod

@@ -26,6 +26,7 @@ from .comm_hook import register_builtin_comm_hook, register_comm_hook
 from .config import DDPConfig, first_bucket_cap
 from .copies import construction_checks, copy_wrapper
 from .grad_hook import still_in_order
+from .logging_data import bucket_sizes
 from .prepared import arm_again_through, refuse_compiled_autograd
 from .reducer import Reducer
 from .sparse import SparseGradients, sparse_parameter_ids
@@ -218,6 +219,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         )
         if not named:
             self._sparse.reducer = self.reducer  # Note [sparse gradients] in sparse.py
+        self._bucket_sizes_at_construction = bucket_sizes(self.reducer.layout.buckets)  # (logging_data.py)
         # ZeroRedundancyOptimizer and the optimizer step guard find the wrapper of their params.
         register_data_parallel([p for _, p in named], self)
         register_wrapped_module([p for _, p in self.synced_parameters()], self)  # frozen ones too
@@ -370,6 +372,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             raise RuntimeError(self._superseded_by)
         if torch.is_grad_enabled():
             refuse_compiled_autograd(type(self).__name__)
+            self._synced_forwards += self._no_sync_depth == 0  # Note [torch's DDP logging data]
             if traced:
                 self._sparse.refuse_compiled(self.rank)
         if self._join_config.enable and torch.is_grad_enabled():

@@ -19,7 +19,7 @@ _ENV = {"FUSEDIST_TIMEOUT_S": str(_TIMEOUT_S), "FUSEDIST_DIVERGENCE_PROBE_S": "0
 def _labels_across_ranks(rank, world_size):
     import torch.distributed as dist
 
-    from fusedist.comm import CollectiveError, get_communicator
+    from fusedist.comm import CollectiveError, TorchCommunicator, get_communicator
     from fusedist.reliability import attach_monitor
 
     comm = get_communicator()
@@ -98,6 +98,55 @@ def _labels_across_ranks(rank, world_size):
     finally:
         sync_batch_norm.get_communicator = ask
     out["communicators asked for at construction"] = asked
+    # Healthy barriers, the last rank late (past the probe's delay on the exchange): every rank waits for it.
+    builtin_comm = TorchCommunicator(dist.new_group([0, 1], backend="gloo"), gloo_collectives="builtin")
+    out["barrier waits"] = []
+    for c, late in ((comm, 0.6), (builtin_comm, 0.3)):
+        start = time.monotonic()
+        if rank == world_size - 1:
+            time.sleep(late)
+        c.barrier()
+        out["barrier waits"].append((time.monotonic() - start, late))
+    # A barrier on rank 0 against a one-element sum all-reduce on rank 1: they paired, the all-reducing rank going
+    # on with its own value. Through the exchange and through gloo's own.
+    for builtin in (False, True):
+        out[f"barrier against all_reduce, builtin {builtin}"] = _diverged_on_new_group(
+            lambda c: c.barrier() if rank == 0 else c.all_reduce(torch.ones(1), tag="one value"), builtin=builtin)
+    # gloo's own reduce-scatter (an all-reduce of a copy): healthy against torch's all-reduce, then with max on
+    # rank 0 and sum on rank 1, launched both ways -- it completed, each rank going on with a result of both ops.
+    values = torch.randn(4 * world_size, generator=g)
+    ours, theirs = torch.empty(4), values.clone()
+    builtin_comm.reduce_scatter(ours, values, op="max", async_op=True).wait()
+    dist.all_reduce(theirs, op=dist.ReduceOp.MAX)
+    out["gloo's own reduce-scatter"] = (ours, theirs[4 * rank:4 * (rank + 1)])
+    for async_op in (False, True):
+        out[f"different reduce ops, gloo's own reduce-scatter, async {async_op}"] = _diverged_on_new_group(
+            lambda c: c.reduce_scatter(torch.empty(4), torch.randn(4 * world_size, generator=g),
+                                       op="max" if rank == 0 else "sum", async_op=async_op), builtin=True)
+    # Note [waits across groups in the divergence probe] in fusedist/reliability/wait_cycle.py: two groups'
+    # collectives entered in different orders on the two ranks.
+    first, second = (get_communicator(dist.new_group([0, 1], backend="gloo")) for _ in range(2))
+    names = [attach_monitor(c).group_name for c in (first, second)]
+    for c in (first, second):
+        c.all_gather(torch.empty(2 * world_size), torch.randn(2), tag="healthy")
+    start = time.monotonic()
+    try:
+        for c in (first, second) if rank == 0 else (second, first):
+            c.all_gather(torch.empty(3 * world_size), torch.randn(3), tag="ordered")
+        out["groups in different orders"] = ("no error", time.monotonic() - start, names)
+    except CollectiveError as exc:
+        out["groups in different orders"] = (str(exc), time.monotonic() - start, names)
+    # Rank 1 late at the next collective, its record of the cycle still in the store: rank 0 is only waiting.
+    if rank == 1:
+        time.sleep(0.8)
+    part = torch.randn(2, generator=g)
+    ours, theirs = torch.empty(2 * world_size), [torch.empty(2) for _ in range(world_size)]
+    try:
+        comm.all_gather(ours, part, tag="after the cycle")
+    except CollectiveError as exc:
+        ours = str(exc)
+    dist.all_gather(theirs, part)
+    out["after the cycle"] = (ours, torch.cat(theirs))
     # Alike all-gathers (same sequence number, op and part size) of different units: they never pair.
     start = time.monotonic()
     try:
@@ -122,7 +171,8 @@ def _diverged_on_new_group(collective, builtin: bool = False):
     start, handle = time.monotonic(), None
     try:
         handle = collective(comm)
-        handle.wait()
+        if handle is not None:  # (a barrier returns none)
+            handle.wait()
         message = "no error"
     except CollectiveError as exc:
         message = str(exc)
@@ -168,6 +218,53 @@ def test_alike_collectives_of_other_reduce_ops_or_roots_fail_every_rank_soon_aft
         # Note [closing the connections of an abandoned collective] in fusedist/comm/torch_comm.py: gloo's own
         # broadcast, abandoned, no longer stays queued until the group's timeout (the process could not end).
         assert ended, rank
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_gloo_s_own_reduce_scatter_with_different_ops_fails_on_every_rank(results, async_op):
+    """gloo's own reduce-scatter is an all-reduce: with max on one rank and sum on the other it completed, each rank
+    going on with garbage. Now its parts (op included) are agreed like gloo's own all-reduce's."""
+    for rank, (status, out) in enumerate(results):
+        assert status == "ok", out
+        ours, theirs = out["gloo's own reduce-scatter"]
+        assert torch.equal(ours, theirs), rank
+        message, elapsed, ended = out[f"different reduce ops, gloo's own reduce-scatter, async {async_op}"]
+        assert "rank 0: 8 x torch.float32 (shape (8,)), op max" in message, (rank, message)
+        assert "rank 1: 8 x torch.float32 (shape (8,)), op sum" in message, (rank, message)
+        assert "reduce_scatter" in message and elapsed < 6 and ended, (rank, elapsed, message)
+
+
+def test_a_barrier_waits_for_every_rank(results):
+    for rank, (status, out) in enumerate(results):
+        assert status == "ok", out
+        for waited, late in out["barrier waits"]:
+            assert waited >= late - 0.05, (rank, waited, late)
+
+
+@pytest.mark.parametrize("builtin", [False, True])
+def test_a_barrier_never_pairs_with_a_one_element_all_reduce(results, builtin):
+    """The barrier was a one-element sum all-reduce: against a rank's own such all-reduce it completed, that rank
+    going on with its own value. Now it pairs with nothing else, and the probe names both."""
+    for rank, (status, out) in enumerate(results):
+        assert status == "ok", out
+        message, elapsed, ended = out[f"barrier against all_reduce, builtin {builtin}"]
+        assert "ranks [0] in barrier" in message and "ranks [1] in all_reduce" in message, (rank, message)
+        assert "Stall report" in message and elapsed < 6 and ended, (rank, elapsed, message)
+
+
+def test_groups_entered_in_different_orders_fail_every_rank_soon_after_the_delay(results):
+    """Rank 0 in the first group's collective, rank 1 in the second's, each waiting for the other: each probe read
+    its own group's entries only, and both waited out the collective timeout."""
+    for rank, (status, out) in enumerate(results):
+        assert status == "ok", out
+        message, elapsed, (first, second) = out["groups in different orders"]
+        assert "waiting for each other" in message, (rank, message)
+        assert f"of group {first}#0 for rank 1" in message and f"of group {second}#0 for rank 0" in message, message
+        assert "Stall report" in message and elapsed < 6, (rank, elapsed, message)
+        # A record its rank left after the verdict closes that cycle only: the next collective, one rank late,
+        # completes as torch's does.
+        ours, theirs = out["after the cycle"]
+        assert isinstance(ours, torch.Tensor) and torch.equal(ours, theirs), (rank, ours)
 
 
 def test_alike_collectives_under_different_labels_fail_every_rank_soon_after_the_delay(results):
@@ -258,3 +355,45 @@ def test_a_failure_entry_keeps_the_part_of_the_collective_its_error_names(monkey
     monitor.on_failure(comm, handle, CollectiveError("cannot complete", op="all_reduce", tag="t", rank=0, seq=3))
     waiting = entries[0]["waiting_on"]
     assert (waiting["part"], waiting["variant"]) == ("3 x torch.float32", "op max"), waiting
+
+
+class _Store:
+    """The store calls the cycle search makes, over a dict."""
+
+    def __init__(self, records):
+        import json
+
+        self.keys = {f"fusedist/stall/blocked/{r['rank']}": json.dumps(r).encode() for r in records}
+
+    def check(self, keys):
+        return all(k in self.keys for k in keys)
+
+    def get(self, key):
+        return self.keys[key]
+
+
+def _blocked(rank, group, seq, launched, members=(0, 1, 2)):
+    return {"rank": rank, "group": group, "members": list(members), "op": "all_gather", "tag": "t", "seq": seq,
+            "launched": launched}
+
+
+def test_a_wait_cycle_needs_every_edge_to_be_a_collective_the_peer_has_not_launched():
+    """Note [waits across groups in the divergence probe]: a peer blocked in another group that launched this
+    group's collective asynchronously before (it still completes) is no edge; a rank whose wait leads into a
+    cycle it is not on is told too; a peer blocked in the same group is the group's own probe's to compare."""
+    from fusedist.reliability.wait_cycle import find
+
+    a0, b1 = _blocked(0, "A#0", 5, {"A#0": 5, "B#0": 2}), _blocked(1, "B#0", 3, {"A#0": 4, "B#0": 3})
+    verdict, _, waits = find(_Store([a0, b1]), a0)
+    assert waits == [[0, "A#0", 5], [1, "B#0", 3]], waits
+    assert verdict.startswith("rank 0 waits in all_gather (tag 't', collective #5) of group A#0 for rank 1; rank 1 "
+                              "waits in all_gather (tag 't', collective #3) of group B#0 for rank 0"), verdict
+    assert find(_Store([a0, dict(b1, launched={"A#0": 5})]), a0) is None  # rank 1 launched A's #5 already
+    assert find(_Store([a0, dict(b1, group="A#0", seq=6)]), a0) is None
+    assert find(_Store([a0]), a0) is None  # rank 1 not blocked past the delay (it may be computing)
+    c2 = _blocked(2, "C#0", 0, {}, members=(2, 0))  # waits for rank 0, itself on the cycle
+    verdict, _, _ = find(_Store([a0, b1, c2]), c2)
+    assert verdict.startswith("rank 2 waits on ranks blocked in a cycle: rank 0 waits"), verdict
+    # A record kept after its rank's verdict closes only the cycle that verdict named: the rank has gone on.
+    assert find(_Store([a0, dict(b1, gave_up=waits)]), a0) is not None
+    assert find(_Store([dict(a0, seq=9), dict(b1, gave_up=waits)]), dict(a0, seq=9)) is None

@@ -353,7 +353,16 @@ class Communicator(abc.ABC):
         return ""
 
     def barrier(self) -> None:
-        self.all_reduce(torch.zeros(1, device=self.device), tag="barrier")
+        """Its own collective (``barrier``), not a user's one-element all-reduce: a rank at a barrier never
+        pairs with a rank at such an all-reduce (that one went on with its own value), and the divergence
+        probe names both."""
+        token = torch.zeros(1, device=self.device)
+        self._launch("barrier", "barrier", False, lambda: self._barrier(token), part=token)
+
+    def _barrier(self, token: torch.Tensor):
+        """Start the barrier (``token``: one zero); a sum all-reduce of it unless the transport has a
+        barrier that pairs with nothing else."""
+        return self._all_reduce(token, "sum")
 
     @property
     def device(self) -> torch.device:

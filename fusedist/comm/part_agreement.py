@@ -10,7 +10,9 @@ Note [parts agreed before gloo's own all-reduce]
     all-reduces go through the exchange, whose messages are labelled by size, dtype and op (Note
     [small all-reduces through the exchange] in torch_comm.py). Every other all-reduce of CPU tensors
     on gloo posts a fingerprint of this rank's part -- sequence number, element count, dtype, op,
-    shape -- to every peer, and receives theirs:
+    shape -- to every peer, and receives theirs; so does gloo's own reduce-scatter, an all-reduce of a
+    copy of the input (``FUSEDIST_GLOO_COLLECTIVES=builtin``, dtypes the exchange does not reduce), whose
+    ranks, passing different ops, each went on with a result of both:
 
     * waited for at once (``async_op=False``), gloo's all-reduce is launched only once every peer's
       fingerprint landed and agrees. Otherwise every rank (each has every fingerprint) raises the

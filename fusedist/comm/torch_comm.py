@@ -253,13 +253,15 @@ class TorchCommunicator(Communicator):
         # A synchronous all-reduce whose parts are agreed first neither (Note [parts agreed before gloo's own
         # all-reduce] in part_agreement.py). Those two are probed from a watcher thread instead
         # (``_watched_waits``: Note [probing waits that cannot be sliced] in watched_wait.py).
+        work = work.work if isinstance(work, _GlooReduceScatter) else work
         if isinstance(work, AgreedAllReduce):
             return work.launched_first
         return "gloo" in str(self.backend) and (async_op or not isinstance(work, gloo_exchange.ExchangeWork))
 
     def _watched_waits(self, work) -> bool:
         # (Note [probing waits that cannot be sliced] in watched_wait.py: a synchronous exchange, a synchronous
-        # all-reduce whose parts are agreed first)
+        # all-reduce whose parts are agreed first, gloo's own reduce-scatter made of one)
+        work = work.work if isinstance(work, _GlooReduceScatter) else work
         return "gloo" in str(self.backend) and isinstance(work, (gloo_exchange.ExchangeWork, AgreedAllReduce))
 
     def _end_watched_wait(self, work, verdict: str) -> bool:
@@ -307,6 +309,15 @@ class TorchCommunicator(Communicator):
         # no fingerprints: the caller checked the parts (Note [parts a caller checked] in base.py)
         return self._reduce(tensor, op, agree=False)
 
+    def _barrier(self, token):
+        # Never paired with a user's one-element all-reduce (base.py's barrier): on the exchange its messages
+        # have a label of their own; gloo's own barrier has its own slots.
+        if self.exchange is not None and token.device.type == "cpu":
+            return self.exchange.all_reduce(token, "sum", seq=self._seq.last, label="barrier")
+        if "gloo" in str(self.backend) and token.device.type == "cpu":
+            return dist.barrier(group=self.group, async_op=True)
+        return self._all_reduce(token, "sum")
+
     def _reduce(self, tensor, op, agree: bool):
         if self._small_all_reduce(tensor, op):
             # Labelled by size and op, not tag: all-reduces of one size pair whatever their tags, as
@@ -314,14 +325,24 @@ class TorchCommunicator(Communicator):
             # with different ops they must not (each rank would fold with its own: results differ).
             return self.exchange.all_reduce(tensor, op, seq=self._seq.last,
                                             label=f"{tensor.numel()} {tensor.dtype} {op}")
-        start = functools.partial(dist.all_reduce, tensor, op=_OPS[op], group=self.group, async_op=True)
         if not agree or "gloo" not in str(self.backend) or tensor.device.type != "cpu":
-            return start()
-        # Note [parts agreed before gloo's own all-reduce] in part_agreement.py
-        group = self._group_timeout()
-        limit = min(self.timeout.total_seconds(), group if group is not None else float("inf"))
-        return AgreedAllReduce(tensor, op, self._seq.last, self.group, self.rank, self.world_size, start,
-                               launch_now=self._launching_async, limit_s=limit)
+            return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
+        return self._gloo_all_reduce_of(op)(tensor)
+
+    def _gloo_all_reduce_of(self, op: str):
+        """Start gloo's own all-reduce of a CPU tensor with ``op``, its parts agreed across ranks (Note [parts
+        agreed before gloo's own all-reduce] in part_agreement.py) unless FUSEDIST_AGREE_PARTS=0: a function of
+        the tensor. (gloo's own reduce-scatter is such an all-reduce: ranks that passed different ops each went
+        on with a result folded by both.)"""
+        def start(tensor):
+            launch = functools.partial(dist.all_reduce, tensor, op=_OPS[op], group=self.group, async_op=True)
+            if not self.agree_parts:
+                return launch()
+            group = self._group_timeout()
+            limit = min(self.timeout.total_seconds(), group if group is not None else float("inf"))
+            return AgreedAllReduce(tensor, op, self._seq.last, self.group, self.rank, self.world_size, launch,
+                                   launch_now=self._launching_async, limit_s=limit)
+        return start
 
     # Note [small all-reduces through the exchange]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -383,7 +404,7 @@ class TorchCommunicator(Communicator):
             return self.exchange.reduce_scatter(output, input, op, seq=self._seq.last, label=self.last_label)
         if "gloo" in str(self.backend) and output.device.type == "cpu":
             # FUSEDIST_GLOO_COLLECTIVES=builtin (or a dtype the exchange does not reduce)
-            return _GlooReduceScatter(output, input, _OPS[op], self.group, self.rank, self.world_size)
+            return _GlooReduceScatter(output, input, self._gloo_all_reduce_of(op), self.rank, self.world_size)
         return _reduce_scatter_flat(output, input, op=_OPS[op], group=self.group, async_op=True)
 
     def _all_gather(self, output, input):
@@ -442,10 +463,10 @@ class _GlooReduceScatter:
     backward] in ``fusedist/ddp/in_flight.py``). The same two steps here, with a truthful
     ``is_completed`` (and the reduce op honoured)."""
 
-    def __init__(self, output, input, op, group, rank: int, world_size: int):
+    def __init__(self, output, input, all_reduce, rank: int, world_size: int):
         self.output, self.rank, self.world_size = output, rank, world_size
         self.buffer = input.clone()  # the input stays unchanged, as reduce-scatter promises
-        self.work = dist.all_reduce(self.buffer, op=op, group=group, async_op=True)
+        self.work = all_reduce(self.buffer)
 
     def is_completed(self) -> bool:
         return self.work.is_completed()

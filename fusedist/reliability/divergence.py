@@ -53,6 +53,12 @@ fusedist/comm/part_agreement.py). The launch now records the collective's ``vari
 (``waiting_on["variant"]``), and different variants are a verdict. Unlike a label it means the same on
 every transport, but it too is compared only where every rank's entry has one.
 
+A barrier is a collective of its own (``barrier``), not a one-element sum all-reduce: against a rank in
+such an all-reduce it paired, that rank going on with its own value; now the exchange labels its messages
+apart (gloo's own barrier has slots of its own), the two never pair, and the probe names both. Ranks
+blocked in collectives of different groups, waiting for each other, are found from records across groups
+(Note [waits across groups in the divergence probe] in wait_cycle.py).
+
 The wait is sliced in fusedist/comm/sliced_wait.py. Costs: none for a wait that ends before the
 delay (one comparison; a DDP step measured the same with the probe on and off); past it, a store
 write and a read per peer every ``PROBE_EVERY_S``, and the entry is withdrawn when the wait ends.
@@ -75,7 +81,7 @@ import json
 import time
 from typing import Optional
 
-from . import stall_report
+from . import stall_report, wait_cycle
 
 #: Seconds between two reads of the other ranks' entries while a wait goes on.
 PROBE_EVERY_S = 0.25
@@ -114,6 +120,9 @@ class WaitProbe:
         self._reports_before = len(monitor.reports)
         self._published: Optional[str] = None  # the kind of the entry this wait wrote
         self._evidence = None  # what the last read found, to be found again
+        self._blocked: Optional[dict] = None  # this wait's record across groups, once published
+        self._gave_verdict = False
+        self._cycle: Optional[list] = None  # the waits of a cycle across groups the last read found
 
     def check(self) -> Optional[str]:
         """Publish this rank's place (once), read the others'; the verdict once confirmed, else None."""
@@ -130,22 +139,35 @@ class WaitProbe:
                 return None
             self._published = kind
             self._mine = entry
+            # Note [waits across groups in the divergence probe] in wait_cycle.py
+            wait_cycle.drop_kept()  # (a record kept after an earlier verdict: this one replaces it)
+            self._blocked = wait_cycle.record(monitor, self.waiting_on)
+            if self._blocked is not None and not wait_cycle.publish(monitor.store, self._blocked):
+                self._blocked = None
         others = _peek(monitor.store, monitor.group_name, monitor.generation,
                        [r for r in range(comm.world_size) if r != comm.rank])
         found = None if others is None else diverged({comm.rank: self._mine, **others})
+        if found is not None:
+            evidence = tuple((r, e.get("kind"), e.get("time"), json.dumps(e.get("waiting_on"), sort_keys=True))
+                             for r, e in sorted(others.items()))
+            self._cycle = None
+        elif others is None and self._blocked is not None:
+            found, evidence, self._cycle = wait_cycle.find(monitor.store, self._blocked) or (None, None, None)
         if found is None:
             self._evidence = None
             return None
-        evidence = tuple((r, e.get("kind"), e.get("time"), json.dumps(e.get("waiting_on"), sort_keys=True))
-                         for r, e in sorted(others.items()))
         now = time.monotonic()
         if self._evidence is None or self._evidence[0] != evidence:
             self._evidence = (evidence, now)
             return None
         if now - self._evidence[1] < max(PROBE_EVERY_S, self.delay_s / 4):
             return None  # (the same evidence must hold a while: a peer's entry may be about to go)
-        return (f"every rank of the group has been blocked in a collective for over {self.delay_s:g} s, in "
-                f"collectives that can never pair: {found}. Their programs diverged (a backward, step or "
+        self._gave_verdict = True
+        where = (f"every rank of the group has been blocked in a collective for over {self.delay_s:g} s, in "
+                 f"collectives that can never pair: {found}" if others is not None else
+                 f"ranks of several groups have been blocked in collectives for over {self.delay_s:g} s, "
+                 f"waiting for each other: {found}")
+        return (f"{where}. Their programs diverged (a backward, step or "
                 "collective skipped or added on some ranks); found by the divergence probe "
                 "(FUSEDIST_DIVERGENCE_PROBE_S) instead of waiting out the collective timeout "
                 f"({comm.timeout.total_seconds():g} s, FUSEDIST_TIMEOUT_S)")
@@ -157,6 +179,11 @@ class WaitProbe:
         if self._published == "waiting" and len(monitor.reports) == self._reports_before:
             stall_report.withdraw(monitor.store, monitor.group_name, monitor.generation, monitor.comm.rank,
                                   bounded=False)
+        if self._blocked is not None:  # (after a cycle's verdict it stays for the peers, until the next launch)
+            if self._gave_verdict and self._cycle is not None:
+                wait_cycle.keep(monitor.store, self._blocked, self._cycle)
+            else:
+                wait_cycle.withdraw(monitor.store, self._blocked["rank"])
 
 
 def _peek(store, group: str, generation: int, ranks: list) -> Optional[dict]:

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 from ..comm.base import CollectiveError, CommHandle, Communicator, global_ranks
 from ..comm.exchange_progress import ExchangeWork
 from .._process_hooks import at_exit, chain_excepthook
-from . import stall_report
+from . import stall_report, wait_cycle
 from .config import divergence_probe_s
 from .divergence import WaitProbe, waiting_on
 
@@ -83,6 +83,8 @@ class CollectiveMonitor:
     # ---- observer interface (see Communicator._launch / CommHandle.wait)
     def on_launch(self, comm: Communicator, handle: CommHandle) -> None:
         self.history.append((handle.seq, handle.op, handle.tag, self.step_hint))
+        if wait_cycle.kept is not None:  # Note [waits across groups in the divergence probe] in wait_cycle.py
+            wait_cycle.drop_kept()
         # Note [exchange labels in the divergence probe] in divergence.py: the label, only where it pairs the messages.
         label = comm.last_label if handle.op in _LABELLED_OPS and isinstance(handle._work, ExchangeWork) \
             and comm.last_seq == handle.seq else None

@@ -4,7 +4,8 @@ the wrong order, and training-loop variations tests/test_fully_shard.py does not
 (eval forwards between steps, two forwards per backward, partial outputs, a skipped block,
 no-sync accumulation over 3 micro-batches, explicit unshard, in-place writes, torch's
 state-dict helpers with an LR scheduler, mixed precision output casts, bf16 reduction,
-ignored parameters, BatchNorm buffers, clipping with an inf gradient).
+ignored parameters, BatchNorm buffers, clipping with an inf gradient), and units handing out
+views of their own parameters (against the unsharded model: FSDP2 crashes there).
 
 Tolerances: as tests/test_fully_shard.py -- at world size 2 the two implementations compute
 the same fp32 values bit for bit (a + b and /2 are exact), so the comparisons there are exact;
@@ -17,6 +18,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from shared_rank_launch import launch_for_selected, results_of
 from test_fully_shard import Net, _batch, _full_torch, _max_diff, _mesh, _shard_both, _sharded_net
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
+_SEED = random.SystemRandom().randrange(2 ** 31)  # fresh inputs where a scenario takes a seed (in its messages)
 
 
 def _torch_fully_shard():
@@ -122,6 +125,88 @@ def test_outputs_in_dataclasses_and_ordered_dicts_match_torch_fsdp2(launched2):
         assert res["weights"] == 0.0
         assert res["ours"]["block_out"] == res["ref"]["block_out"] == ("_Out", torch.float64, 0)
         assert res["ours"]["root_out"] == res["ref"]["root_out"] == "OrderedDict"
+
+
+# ------------------------------------------------------------------ outputs that are views of parameters
+class _PositionTable(nn.Module):
+    """A learned position table handing out its first rows: its output is a view of its weight."""
+
+    def __init__(self, rows: int = 6, d: int = 16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(rows, d))
+
+    def forward(self, n: int):
+        return self.weight[:n]
+
+
+class _Gate(nn.Module):
+    """Hands out its whole parameter, inside a dict, from a forward without inputs."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self):
+        return {"scale": self.scale}
+
+
+class _PositionNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.pos = _PositionTable()
+        self.gate = _Gate()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x) + self.pos(x.shape[1])
+        return self.head(h * self.gate()["scale"])
+
+
+def _views_of_parameters(rank, ws, seed):
+    """The unsharded model (each rank's loss over the world size, summed) against fusedist with
+    every unit resharding after forward, the two handing out views one unit each, one unit
+    together (the table's view then returned before the group's post-forward), or one unit each
+    with the table sharded on dim 1 (its whole parameter in a copy-out buffer of its own); torch's
+    FSDP2 crashes on this model (its freed buffer read through the view)."""
+    return {how: _views_of_parameters_run(rank, ws, seed, how) for how in ("separate", "grouped", "dim 1")}
+
+
+def _views_of_parameters_run(rank, ws, seed, how: str):
+    from torch.distributed.tensor import Shard
+
+    mesh = _mesh(ws)
+    torch.manual_seed(seed)
+    whole = _PositionNet()
+    ours = copy.deepcopy(whole)
+    placement = (lambda p: Shard(1) if p.ndim == 2 else None) if how == "dim 1" else None
+    for unit in ([[ours.pos, ours.gate]] if how == "grouped" else [ours.pos, ours.gate]) + [ours]:
+        fusedist.fully_shard(unit, mesh=mesh, reshard_after_forward=True, shard_placement_fn=placement)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (whole, ours)]
+    g = torch.Generator().manual_seed(seed)
+    for step in range(3):
+        batches = [(torch.randn(3, 5, 8, generator=g), torch.randn(3, 5, 4, generator=g)) for _ in range(ws)]
+        F.mse_loss(ours(batches[rank][0]), batches[rank][1]).backward()
+        for x, y in batches:
+            (F.mse_loss(whole(x), y) / ws).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    with torch.no_grad():
+        table, scale = ours.pos(4), ours.gate()["scale"]
+        handed_out = _max_diff({"table": whole.pos.weight[:4], "scale": whole.gate.scale},
+                               {"table": table, "scale": scale})
+    return dict(weights=_max_diff(whole.state_dict(), fusedist.fsdp.full_state_dict(ours)), handed_out=handed_out)
+
+
+def test_unit_outputs_that_view_its_parameters_match_the_unsharded_model(launched2):
+    """A unit returning a view of its own parameter (a position table's ``weight[:n]``, a whole
+    parameter in a dict) and resharding after forward: the caller gets the parameter's values,
+    not freed memory (a crash before), and training matches the unsharded model (Note [outputs
+    that are views of the gathered parameters] in fusedist/fsdp/aliased_outputs.py)."""
+    for runs in results_of(launched2, "views of parameters"):
+        for how, res in runs.items():
+            assert res["weights"] <= 1e-6 and res["handed_out"] == 0.0, f"seed {_SEED}, units {how}: {res}"
 
 
 # ------------------------------------------------------------------ wrapping order
@@ -442,6 +527,8 @@ JOBS2 = {
     "test_units_kept_gathered_after_backward_see_the_optimizer_step": {"kept gathered": (_kept_gathered, ())},
     "test_training_loop_variations_match_torch_fsdp2": {"variations": (_variations, ())},
     "test_state_dict_helpers_round_trip_with_a_scheduler_bitwise": {"resume": (_resume, ())},
+    "test_unit_outputs_that_view_its_parameters_match_the_unsharded_model": {
+        "views of parameters": (_views_of_parameters, (_SEED,))},
 }
 
 

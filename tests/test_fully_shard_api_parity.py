@@ -223,6 +223,13 @@ def _forward_method(rank, ws, seed):
     plain = LM()
     fusedist.register_fsdp_forward_method(plain, "generate")  # not sharded: a no-op
     assert "generate" not in vars(plain)
+    # torch's function is a no-op on a module fusedist sharded (not torch's FSDPModule): the refusal of
+    # the root's module called on its own names the function to use instead.
+    _, by_torch = _pair(mesh)
+    torch.distributed.fsdp.register_fsdp_forward_method(by_torch, "generate")
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"embed' \(Embedding\) was called on its own(.|\n)*"
+                                        r"register it with fusedist\.register_fsdp_forward_method"):
+        by_torch.generate(_ids(seed, 0, 100)[0][:, :2], 1)
 
     pairs = _optimizers(ref, ours)
     _train_step(pairs, _ids(seed, rank, 0))

@@ -83,7 +83,9 @@ def _refuse_ungathered(unit_ref, member_refs: list, state_ref, attr: str, module
         f"forward of unit {unit.label}, which holds its parameter '{attr}' sharded: it would compute on rank "
         f"{unit.rank}'s pieces alone (a wrong result, then a failing backward). Call {member} or the "
         "model instead; a module that must run on its own needs its "
-        "own fully_shard call, made before its parent's.")
+        "own fully_shard call, made before its parent's. If the call is in a method other than forward (generate, "
+        "encode), register it with fusedist.register_fsdp_forward_method(module, 'method') to gather the unit "
+        "around it (torch's register_fsdp_forward_method leaves a module fusedist sharded as it is).")
 
 
 def _refuse_before_root_forward(unit, member_refs: list, module) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["map_tensors", "grad_tensors"]
+__all__ = ["all_tensors", "map_tensors", "grad_tensors"]
 
 
 def _is_dataclass_instance(obj) -> bool:
@@ -46,18 +46,27 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     return obj
 
 
+def all_tensors(obj: Any, out: list) -> list:
+    """Append to ``out`` every tensor inside ``obj`` (in traversal order)."""
+    return _collect(obj, out, lambda t: True)
+
+
 def grad_tensors(obj: Any, out: list) -> list:
     """Append to ``out`` the tensors inside ``obj`` that require gradients (in traversal order)."""
+    return _collect(obj, out, lambda t: t.requires_grad)
+
+
+def _collect(obj: Any, out: list, keep: Callable[[torch.Tensor], bool]) -> list:
     if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
+        if keep(obj):
             out.append(obj)
     elif _is_dataclass_instance(obj):
         for f in dataclasses.fields(obj):
-            grad_tensors(getattr(obj, f.name), out)
+            _collect(getattr(obj, f.name), out, keep)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            grad_tensors(v, out)
+            _collect(v, out, keep)
     elif isinstance(obj, dict):
         for v in obj.values():
-            grad_tensors(v, out)
+            _collect(v, out, keep)
     return out

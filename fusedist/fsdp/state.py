@@ -178,6 +178,7 @@ import torch
 
 from ..ddp.prepared import refuse_compiled_autograd
 from . import recovery
+from .aliased_outputs import copy_views_of_gathered
 from .containers import grad_tensors as _grad_tensors
 from .containers import map_tensors as _map_tensors
 from .early_grad import refuse_grad_before_forward
@@ -363,6 +364,9 @@ class FullyShardState:
         if len(self.modules) > 1:  # Note [a list of modules as one unit] in members.py
             self._group_pending.discard(id(module))
             if self._group_pending:  # members still to run: this call's post-forward waits for them
+                if unit is not None and unit.reshard_after_forward:  # (freed at the group's post-forward:
+                    output = copy_views_of_gathered(unit, output)  # Note [outputs that are views of the gathered
+                    # parameters] in aliased_outputs.py)
                 if grad:  # the entry the group's post-forward will record
                     self._hook_outputs(output, len(self._post_forward_indices))
                 return output
@@ -374,6 +378,8 @@ class FullyShardState:
             # with or without grad (Note [forward without gradients]); after the outermost call only
             # (Note [a unit called inside its own call] in functions.py)
             if unit.reshard_after_forward and not self._depth:
+                # Note [outputs that are views of the gathered parameters] in aliased_outputs.py
+                output = copy_views_of_gathered(unit, output)
                 unit.reshard_post_forward()  # (an int: Note [resharding to a smaller group after forward])
         if grad:
             self._hook_outputs(output, len(self._post_forward_indices) - 1)

@@ -23,7 +23,10 @@ def test_rows_round_trip_through_a_float32_sum_exactly():
         world = 5
         table = [[int(v) for v in torch.randint(-(2**62), 2**62, (len(FIELDS),), generator=gen)]
                  for _ in range(world)]
-        table[1] = [2**63 - 1, -(2**63), -1, 0, 1, 2**31 - 1, 2**32, 65535, 65536, 7]
+        # the edges of the int64 range and of the pieces, each in some field, whatever their count
+        edges = [2**63 - 1, -(2**63), -1, 0, 1, 2**31 - 1, 2**32, 65535, 65536, 7]
+        table[1] = [edges[i % len(edges)] for i in range(len(FIELDS))]
+        table[2] = [edges[(i + len(FIELDS)) % len(edges)] for i in range(len(FIELDS))]
         table[3] = [JOINED] * len(FIELDS)
         total = sum(carried_check.encode(row, r, world, dtype) for r, row in enumerate(table))
         assert total.dtype == dtype and total.numel() == carried_check.tail_numel(len(FIELDS), world)

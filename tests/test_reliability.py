@@ -466,11 +466,88 @@ def test_ranks_training_in_different_train_eval_modes_are_named_on_every_rank(la
         assert out["alike"] == "no error", out["alike"]
         whole = out["whole model"]
         assert f"this is rank {rank}" in whole and "synchronized backward #1" in whole, whole
-        assert "trainable: ranks [0]: " in whole and "in eval mode on others" in whole, whole
+        assert "modes: ranks [0] | ranks [1] ran in different modes -- " in whole, whole
+        assert "in eval mode on others" in whole and "trainable:" not in whole, whole
         assert "all 5 modules read: train mode on ranks [1], eval mode on ranks [0]" in whole, whole
         layer = out["one layer"]
         assert "module '1' (Dropout): train mode on ranks [0], eval mode on ranks [1]" in layer, layer
         assert "module '0'" not in layer, layer
+
+
+def _loss_scale_worker(rank, world_size):
+    """A GradScaler whose state (another scale) was loaded on one rank only: each rank unscales the
+    averaged gradients by its own scale, so the replicas drift apart while every counter agrees
+    (torch's DDP trains on silently). The same scale loaded on every rank is no divergence."""
+    import fusedist
+    from fusedist._consistency import RankMismatchError
+
+    def outcome(loaded_scale):
+        torch.manual_seed(0)
+        model = fusedist.DistributedDataParallel(models.MLP())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = fusedist.amp.GradScaler("cpu")
+        if loaded_scale is not None:
+            scaler.load_state_dict(dict(scaler.state_dict(), scale=loaded_scale))
+        gen = torch.Generator().manual_seed(rank)
+        try:
+            for _ in range(2):  # (far below the parameter check's period)
+                x, y = models.MLP.batch(gen)
+                opt.zero_grad()
+                scaler.scale((model(x) - y).pow(2).mean()).backward()
+                scaler.step(opt)
+                scaler.update()
+        except RankMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    return {"alike": outcome(1024.0), "one rank": outcome(1024.0 if rank == 1 else None)}
+
+
+def test_ranks_scaling_losses_by_different_grad_scaler_scales_are_named_at_the_next_forward(launched):
+    for rank, out in enumerate(results_of(launched, "loss scale")):
+        assert out["alike"] == "no error", out["alike"]
+        text = out["one rank"]
+        assert f"this is rank {rank}" in text and "synchronized backward #0" in text, text
+        assert "loss_scale: ranks [0]: 65536.0; ranks [1]: 1024.0 -- " in text, text
+        assert "GradScaler scales" in text and "params:" not in text and "control flow" not in text, text
+        assert "the ranks were at the same point but did not run it alike" in text, text
+
+
+def _cleared_grads_worker(rank, world_size):
+    """optimizer.zero_grad() between backward() and step() on one rank: its step applies nothing
+    while the other's applies the averaged gradients (torch's DDP trains on silently, the replicas
+    apart). Clearing on every rank alike is no divergence."""
+    import fusedist
+    from fusedist._consistency import RankMismatchError
+
+    def outcome(clears):
+        torch.manual_seed(0)
+        model = fusedist.DistributedDataParallel(models.MLP())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        try:
+            for step in range(4):  # (far below the parameter check's period)
+                x, y = models.MLP.batch(gen)
+                opt.zero_grad()
+                (model(x) - y).pow(2).mean().backward()
+                if step == 1 and clears:
+                    opt.zero_grad()
+                opt.step()
+        except RankMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    return {"alike": outcome(True), "one rank": outcome(rank == 1)}
+
+
+def test_gradients_cleared_before_the_step_on_one_rank_are_named_at_the_next_check(launched):
+    for rank, out in enumerate(results_of(launched, "cleared grads")):
+        assert out["alike"] == "no error", out["alike"]
+        text = out["one rank"]
+        assert f"this is rank {rank}" in text and "synchronized backward #2" in text, text
+        assert "grads_cleared: ranks [0]: 0; ranks [1]: 1 -- optimizer.step() ran with the model's gradients " \
+            "cleared" in text, text
+        assert "params:" not in text and "optimizer_steps:" not in text, text
 
 
 # ---------------------------------------------------------------- the shared launch
@@ -497,6 +574,10 @@ def launched(request, tmp_path_factory):
             "no false positive": (_under, ({}, _no_false_positive_worker))},
         "test_ranks_training_in_different_train_eval_modes_are_named_on_every_rank": {
             "eval mode": (_under, (FAST_FAILURE, _eval_mode_worker))},
+        "test_ranks_scaling_losses_by_different_grad_scaler_scales_are_named_at_the_next_forward": {
+            "loss scale": (_under, (FAST_FAILURE, _loss_scale_worker))},
+        "test_gradients_cleared_before_the_step_on_one_rank_are_named_at_the_next_check": {
+            "cleared grads": (_under, (FAST_FAILURE, _cleared_grads_worker))},
     }, 2, timeout=180)
 
 

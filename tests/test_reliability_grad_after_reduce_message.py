@@ -34,3 +34,21 @@ def test_advice_without_details_follows_what_differs():
     counted = render_bounds(_bounds({"optimizer_steps": (2, 3), "params": (11, 12)}), values, 0,
                             {"buckets": 1}, None)
     assert CONTROL_FLOW in counted and AFTER_REDUCE not in counted
+
+
+def test_fields_without_details_say_what_differs_in_their_own_words():
+    """The modes digest and the loss scale's bits are not shown as integer ranges (which say
+    nothing), and their advice is not about control flow."""
+    import struct
+
+    def bits(scale):
+        return struct.unpack("<I", struct.pack("<f", scale))[0]
+
+    values = [3] * len(FIELDS)
+    values[FIELDS.index("loss_scale")] = bits(1024.0)
+    modes = render_bounds(_bounds({"modes": (11, 12)}), values, 0, {"buckets": 1}, None)
+    assert "  modes: the ranks' modules ran in different train/eval modes -- " in modes, modes
+    assert CONTROL_FLOW not in modes and "range" not in modes, modes
+    scale = render_bounds(_bounds({"loss_scale": (bits(1024.0), bits(65536.0))}), values, 0, {"buckets": 1}, None)
+    assert "  loss_scale: ranks range from 1024.0 to 65536.0 (rank 0: 1024.0) -- " in scale, scale
+    assert CONTROL_FLOW not in scale, scale

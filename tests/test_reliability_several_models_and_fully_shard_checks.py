@@ -135,8 +135,39 @@ def _sharded_eval_mode_worker(rank, world_size):
 def test_fully_shard_ranks_in_different_train_eval_modes_are_named_on_every_rank(launched):
     for rank, text in enumerate(results_of(launched, "eval mode")):
         assert f"this is rank {rank}" in text and "synchronized backward #1" in text, text
-        assert "trainable: ranks [0]: " in text and "in eval mode on others" in text, text
+        assert "modes: ranks [0] | ranks [1] ran in different modes -- " in text, text
+        assert "in eval mode on others" in text and "trainable:" not in text, text
         assert "train mode on ranks [0], eval mode on ranks [1]" in text, text
+
+
+def _sharded_cleared_grads_worker(rank, world_size):
+    """optimizer.zero_grad() between backward() and step() (Note [gradients cleared before the
+    step] in optimizer_guard.py): on one rank, named at the next check; on every rank, no error."""
+    from fusedist._consistency import RankMismatchError
+
+    def outcome(clears):
+        model, opt = _sharded_block_stack()
+        gen = torch.Generator().manual_seed(rank)
+        try:
+            for step in range(4):
+                model(torch.randn(4, 5, generator=gen)).square().mean().backward()
+                if step == 1 and clears:
+                    opt.zero_grad()
+                opt.step()
+                opt.zero_grad()
+        except RankMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    return {"alike": outcome(True), "one rank": outcome(rank == 1)}
+
+
+def test_fully_shard_gradients_cleared_before_the_step_on_one_rank_are_named(launched):
+    for rank, out in enumerate(results_of(launched, "cleared grads")):
+        assert out["alike"] == "no error", out["alike"]
+        text = out["one rank"]
+        assert f"this is rank {rank}" in text and "synchronized backward #2" in text, text
+        assert "grads_cleared: ranks [0]: 0; ranks [1]: 1 -- " in text, text
 
 
 def _sharded_checks_off_worker(rank, world_size):
@@ -172,4 +203,6 @@ def launched(request):
         "test_fully_shard_step_check_is_not_named_a_ddp_one": {"tags": (_sharded_tags_worker, ())},
         "test_fully_shard_ranks_in_different_train_eval_modes_are_named_on_every_rank": {
             "eval mode": (_sharded_eval_mode_worker, ())},
+        "test_fully_shard_gradients_cleared_before_the_step_on_one_rank_are_named": {
+            "cleared grads": (_sharded_cleared_grads_worker, ())},
     }, 2, timeout=120)

@@ -85,6 +85,7 @@ from ..optim.step_context import inverse_scale, mark_pending
 from . import added_params, skipped_step, unscale
 from .found_inf_group import FoundInfGroupMixin
 from .scaler_settings import check_loaded_state, check_settings, checked_new_scale
+from ..reliability.scale_check import scaled_with
 
 MIN_SCALE_POLICIES = ("warn", "raise")
 
@@ -192,6 +193,12 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
         self._hysteresis_tracker: Optional[torch.Tensor] = None
         self.last_step_skipped_tensor = None
         self._min_scale_flag = unscale.LazyHostFlag()
+
+    def scale(self, outputs):
+        """torch's ``scale``; the scaler is noted for the per-step check (Note [loss scale in the step
+        check] in fusedist/reliability/scale_check.py)."""
+        scaled_with(self)
+        return super().scale(outputs)
 
     # -- settings ------------------------------------------------------------------------------
     # torch's setters check nothing, so they took the values the constructor and load_state_dict

@@ -23,6 +23,7 @@ from .param_check import ParamDigest, replicates
 from . import carried_check
 from .step_check import FIELDS, JOINED, StepCheck, layout_crc
 from .mode_check import describe_modes, modes_crc
+from .scale_check import scale_field
 
 #: The other way to an unsynchronized step: a pipeline schedule's step synchronizes a stage's
 #: gradients at its last micro-batch's backward only.
@@ -71,6 +72,7 @@ class WatchBase:
         self.sync_steps = 0  # synchronized backwards completed
         self.forwards = 0  # training forwards (grad enabled)
         self.optimizer_steps = 0  # counted by fusedist.reliability.optimizer_guard
+        self.cleared_steps = 0  # of those, taken with the gradients cleared (Note [gradients cleared before the step])
         self.last_backward_synced = True
         self.checking = False  # inside check_consistency() (Note [a rank behind at the check])
         self.step_check = StepCheck(comm, self.check_tag) if checks_enabled() and comm.world_size > 1 else None
@@ -260,7 +262,10 @@ class StepWatch(WatchBase, EngineObserver):
             self._layout_crc[1],
             last_seq,
             unused_count,
-            zlib.crc32(self._modes.to_bytes(4, "little"), self._trainable_crc(tracker)) & 0x7FFFFFFF,
+            self._trainable_crc(tracker),
+            self._modes,  # Note [train and eval modes in the step check]
+            scale_field(),  # Note [loss scale in the step check]
+            self.cleared_steps,  # Note [gradients cleared before the step] in optimizer_guard.py
             0,  # the parameter digest, when due, is written on the device
             0,  # replicas: fully_shard's (Note [replica check] in sharded_watch.py)
         ], functools.partial(self._detail, engine, len(engine.layout.buckets), unused, checked_now,

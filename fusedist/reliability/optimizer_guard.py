@@ -162,6 +162,7 @@ def _pre_step(optimizer, args, kwargs):
     closure = args[1] if len(args) > 1 else kwargs.get("closure")
     if closure is None:
         _check_backward(optimizer, _checked_watches(optimizer, entry))
+        _count_cleared_steps(optimizer, entry)
         return None
 
     def checked_closure():
@@ -270,6 +271,33 @@ def _check_backward(optimizer, watches) -> None:
                 f"fusedist (rank {watch.rank}): {type(optimizer).__name__}.step() after a backward pass "
                 f"{_torch_ddp_advice(watch) or watch.unsynced_advice}"
             )
+
+
+# Note [gradients cleared before the step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``optimizer.zero_grad()`` between ``loss.backward()`` and ``optimizer.step()`` on some ranks only
+# (a rank-local "skip this batch" that forgot the others) makes those ranks' step apply nothing
+# while the others apply the averaged gradients: every counter of the step check agrees and the
+# replicas drift apart, seen only by the parameter digest at its period. So a step of an optimizer
+# none of whose parameters of a model holds a gradient after a synchronized backward is counted on
+# that model's watch (``cleared_steps``), a field of the step check (``grads_cleared``): ranks
+# whose counts differ are named at the next synchronized backward's verdict. The test stops at the
+# first parameter with a gradient (a few attribute reads per step in training); the same clearing on
+# every rank is no divergence and is not flagged. ``zero_grad(set_to_none=False)`` zeros the
+# gradients in place: telling that apart would read every gradient's values, so it is left to the
+# parameter check.
+def _count_cleared_steps(optimizer, entry) -> None:
+    groups = optimizer.param_groups
+    for ref, positions in entry[3]:
+        watch = ref()
+        if watch is None or not watch.last_backward_synced or getattr(watch, "in_backward", False):
+            continue
+        if any(getattr(_param_at(groups, gi, pi), "grad", None) is not None for gi, pi in positions):
+            continue  # (the common case: stops at the first parameter with a gradient)
+        params = (_param_at(groups, gi, pi) for gi, pi in positions)
+        # (a rank whose pieces of a fully_shard model are all empty holds no gradient to clear)
+        if any(p is not None and p.requires_grad and p.numel() > 0 for p in params):
+            watch.cleared_steps += 1
 
 
 def _torch_ddp_advice(watch):

@@ -81,6 +81,7 @@ from .monitor import attach_monitor, monitor_of
 from .param_check import ParamDigest
 from .step_check import StepCheck
 from .mode_check import describe_modes, modes_crc
+from .scale_check import scale_field
 
 SUBJECT = {"subject": "fully_shard", "model": "fully_shard model", "reduced": "units", "explain": {
     "unused": "a different set of parameters received gradients (a branch of a unit ran on some ranks only): "
@@ -204,8 +205,8 @@ class ShardedStepWatch(WatchBase):
                               describe_replicas=self._describe_replica_steps)
         self.step_check.launch(
             [self.sync_steps, self.forwards, self.backwards, self.optimizer_steps, self.wrapping_crc,
-             self.comm.last_seq, self._gradients_crc,
-             zlib.crc32(self._modes.to_bytes(4, "little"), self._units_crc) & 0x7FFFFFFF,  # (Note in mode_check.py)
+             self.comm.last_seq, self._gradients_crc, self._units_crc, self._modes,  # (Note in mode_check.py)
+             scale_field(), self.cleared_steps,  # (Notes in scale_check.py, optimizer_guard.py)
              0, 0],  # (the replica flags, if due)
             detail, digest=flag, replicas=replicas)
 

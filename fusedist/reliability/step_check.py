@@ -15,9 +15,15 @@ Note [step check]
         collective_seq   sequence number of this step's last bucket collective
         unused           parameters without a gradient (0 with find_unused_parameters)
         trainable        CRC of the module's requires_grad flags at this step's forward
-                         (Note [trainable set changes] in fusedist/ddp/trainable.py), chained
-                         with its modules' train/eval flags (Note [train and eval modes in the
-                         step check] in mode_check.py)
+                         (Note [trainable set changes] in fusedist/ddp/trainable.py)
+        modes            CRC of its modules' train/eval flags at that forward (Note [train
+                         and eval modes in the step check] in mode_check.py)
+        loss_scale       the float32 bits of the GradScaler scale the loss was scaled by, where
+                         it is on the host, else 0 (Note [loss scale in the step check] in
+                         scale_check.py)
+        grads_cleared    optimizer steps taken with every gradient of the model cleared after a
+                         synchronized backward (Note [gradients cleared before the step] in
+                         optimizer_guard.py)
         params           every few steps and at check_consistency(), a digest of the
                          replicated parameters' values, else 0 (Note [parameter check] in
                          param_check.py)
@@ -70,12 +76,16 @@ from ..comm.base import CollectiveError, global_ranks
 from .._process_hooks import at_exit
 from . import carried_check
 from .mode_check import EXPLAIN as MODES_EXPLAIN
+from .scale_check import EXPLAIN as SCALE_EXPLAIN, shown as shown_scale
 
 # A joined rank's value in every slot (Note [joined ranks]); real values are far above it.
 JOINED = -(2**62)
 
 FIELDS = ("sync_step", "forward", "backward", "optimizer_steps", "layout", "collective_seq", "unused", "trainable",
-          "params", "replicas")
+          "modes", "loss_scale", "grads_cleared", "params", "replicas")
+
+#: Fields that differ while the ranks are at the same point of their steps (every counter agrees).
+SAME_POINT_FIELDS = {"modes", "loss_scale", "grads_cleared", "params"}
 
 _EXPLAIN = {
     "sync_step": "a rank skipped (or added) a synchronized backward pass, so bucket averages "
@@ -90,8 +100,12 @@ _EXPLAIN = {
     "unused": "a different set of parameters received gradients: a different branch of the model ran on some "
     "ranks (pass find_unused_parameters=True if that is intended)",
     "trainable": "ranks changed requires_grad of different parameters after wrapping the model (frozen or "
-    "unfrozen on some ranks only); change the same parameters on every rank, before the same forward -- or "
-    "ran that forward with modules in different train/eval modes",
+    "unfrozen on some ranks only); change the same parameters on every rank, before the same forward",
+    "modes": MODES_EXPLAIN,
+    "loss_scale": SCALE_EXPLAIN,
+    "grads_cleared": "optimizer.step() ran with the model's gradients cleared (optimizer.zero_grad() between "
+    "backward() and step()) on some ranks only: their step applied nothing while the others applied the averaged "
+    "gradients, so the replicas drift apart; clear (or skip the step) on every rank alike",
     "params": "the replicated parameters' values differ across ranks: a rank changed its gradients after they "
     "were averaged (code between backward() and optimizer.step() that writes p.grad on some ranks only), changed "
     "weights in place, loaded a checkpoint, stepped an optimizer or a learning-rate scheduler on its own, or the "
@@ -257,11 +271,8 @@ class StepCheck:
         if describe is not None and _differs(table, column):
             detail = dict(detail, trainable_lines=describe(self.comm))  # a collective: same verdict everywhere
         describe = detail.get("describe_modes")
-        if describe is not None and _differs(table, column):
-            mode_lines = describe(self.comm)  # (a collective too; lines only where some module's mode differs)
-            if mode_lines:
-                detail = dict(detail, mode_lines=mode_lines,
-                              explain=dict(detail.get("explain", {}), trainable=MODES_EXPLAIN))
+        if describe is not None and _differs(table, FIELDS.index("modes")):
+            detail = dict(detail, mode_lines=describe(self.comm))  # (a collective too)
         describe = detail.get("describe_params")
         if describe is not None and _differs(table, FIELDS.index("params")) and not _differs(table, 0):
             # (a collective too; with different step counts the digests are of different steps)
@@ -393,7 +404,12 @@ def render_bounds(reduced: list[int], values: list[int], rank: int, detail: dict
         if field == "replicas":  # a flag (Note [replica check]): its range says nothing
             lines.append(f"  {field}: {explain}")
             continue
+        if field == "modes":  # a digest of flags: its range says nothing
+            lines.append(f"  {field}: the ranks' modules ran in different train/eval modes -- {explain}")
+            continue
         mine = "joined" if values[i] == JOINED else values[i]
+        if field == "loss_scale":
+            low, high, mine = shown_scale(low), shown_scale(high), mine if mine == "joined" else shown_scale(mine)
         lines.append(f"  {field}: ranks range from {low} to {high} (rank {rank}: {mine}) -- {explain}")
     if error is not None:
         report = getattr(error, "report", None)
@@ -427,6 +443,12 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
             f"differ, found by the periodic parameter check at synchronized backward #{step} (reported at "
             f"{detail.get('reported_at', 'the next training forward')}):"
         ]
+    elif set(f for i, f in enumerate(FIELDS) if _differs(table, i)) <= SAME_POINT_FIELDS:
+        lines = [  # the ranks are at the same point, but did not run it alike
+            f"fusedist {what}: ranks diverged (detected on every rank; this is rank {rank}) in synchronized "
+            f"backward #{step}: the ranks were at the same point but did not run it alike (reported at "
+            f"{detail.get('reported_at', 'the next training forward')}):"
+        ]
     else:
         lines = [
             f"fusedist {what}: ranks diverged (detected on every rank; this is rank {rank}) in synchronized "
@@ -448,11 +470,13 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
             if detail.get("params_listed") is False:  # (a flag of its own, Note [replica check]: no ranks to list)
                 lines.append(f"  {field}: {detail.get('explain', {}).get(field, _EXPLAIN[field])}")
                 continue
+        elif field == "modes":  # a digest of flags: the ranks in each group, the lines below name the modules
+            listing = " | ".join(f"ranks {ranks}" for ranks in sorted(groups.values())) + " ran in different modes"
         elif field == "replicas":  # a flag: the lines of each rank's replicas say who ran what
             lines.append(f"  {field}: {detail.get('explain', {}).get(field, _EXPLAIN[field])}")
             continue
         else:
-            listing = "; ".join(f"ranks {ranks}: {value}"
+            listing = "; ".join(f"ranks {ranks}: {shown_scale(value) if field == 'loss_scale' else value}"
                                 for value, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
         explain = detail.get("explain", {}).get(field, _EXPLAIN[field])
         lines.append(f"  {field}: {listing} -- {explain}")
@@ -484,7 +508,10 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
 #
 # Limit: the counters cannot see such a change at all, with a torch optimizer or a fused one
 # alike -- nothing the check carries describes the gradients after the reduce, and a digest of
-# them would be a pass over every gradient at every step. It shows only through the parameter
+# them would be a pass over every gradient at every step. Two such changes have cheap fields of
+# their own, named at the next step: a GradScaler scale that differs (Note [loss scale in the step
+# check] in scale_check.py) and gradients cleared before the step (Note [gradients cleared before
+# the step] in optimizer_guard.py). It shows only through the parameter
 # digest, at its period (FUSEDIST_PARAM_CHECK_EVERY, default 100) and at check_consistency():
 # the ranks may train apart for up to that many steps before the error. (An inf written on one
 # rank usually turns the parameters NaN on every rank after the next average: the ranks then
@@ -503,6 +530,9 @@ def _advice(differing: list[str], detail: dict) -> str:
             "on every rank alike (decide from the averaged gradients, or from a flag all-reduced across ranks). "
             "FUSEDIST_PARAM_CHECK_EVERY=1 compares the parameters at every step, to find the first one."
         )
+    if differing and set(differing) <= SAME_POINT_FIELDS:
+        return (f"The ranks ran the same forwards, backwards, optimizer steps and collectives on their {model}, "
+                "but not alike: make what the field above names the same on every rank.")
     return (
         f"Every rank must run the same sequence of forward/backward/optimizer.step() calls on its {model}; "
         "look for rank-dependent control flow around the step named above."

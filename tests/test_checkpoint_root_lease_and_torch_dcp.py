@@ -455,6 +455,58 @@ def test_a_param_group_added_during_training_is_named_when_missing_at_restore(tm
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
 
+def test_a_param_group_added_after_the_save_is_named_with_what_to_do(tmp_path):
+    """The reverse: the optimizer gained a group after the save. torch's load_state_dict refuses
+    other param groups; load and restore refuse too and name the parameters and the remedy (load,
+    then add_param_group), which gives what torch gives for that order."""
+    from fusedist import checkpoint
+
+    model = _net(0)
+    opt = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+    ckpt = Checkpointer(str(tmp_path / "root"), async_save=False)
+    ckpt.restore(model, opt)
+    _step(model, opt, 0)
+    ckpt.save(1)
+    ckpt.close()
+    checkpoint.save(str(tmp_path / "plain"), model, opt)
+    grown = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+    grown.add_param_group({"params": model[2].parameters(), "lr": 1e-3})
+    with pytest.raises(CheckpointError, match=r"also holds \['2\.weight', '2\.bias'\]: param groups added since "
+                                              r"the save \(add_param_group\) are added after loading"):
+        checkpoint.load(str(tmp_path / "plain"), model, grown)
+    with pytest.raises(CheckpointError, match=r"lacks \['2\.weight', '2\.bias'\]: param groups added since the "
+                                              r"save \(add_param_group\) are added after loading"):
+        Checkpointer(str(tmp_path / "root")).restore(model, grown)
+    reference = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+    reference.load_state_dict(opt.state_dict())
+    reference.add_param_group({"params": model[2].parameters(), "lr": 1e-3})
+    as_told = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+    checkpoint.load(str(tmp_path / "plain"), model, as_told)
+    as_told.add_param_group({"params": model[2].parameters(), "lr": 1e-3})
+    told, ref = as_told.state_dict(), reference.state_dict()
+    assert told["param_groups"] == ref["param_groups"] and list(told["state"]) == list(ref["state"]) == [0, 1]
+    assert all(torch.equal(told["state"][i][k], ref["state"][i][k]) for i in ref["state"] for k in ref["state"][i])
+
+
+def test_a_lease_temporary_left_by_a_killed_writer_is_removed_by_the_next_save(tmp_path):
+    """A process killed while writing the root's lease (its first save, a heartbeat) left the
+    temporary in the root for good; the next complete save removes it by the rule of a step
+    directory's temporaries (older than that save), keeping a newer one and a user's file."""
+    root = str(tmp_path)
+    os.makedirs(root, exist_ok=True)
+    abandoned, newer, users = (os.path.join(root, n) for n in (
+        f".{_owner.LEASE}.tmp-4242-4243", f".{_owner.LEASE}.tmp-4244-4245", ".notes.json.tmp-7"))
+    for path in (abandoned, newer, users):
+        with open(path, "w") as f:
+            f.write('{"run": "r", "tok')
+    os.utime(abandoned, (0, 0))
+    os.utime(newer, (2 ** 31, 2 ** 31))  # modified after the save began (another job's, being written)
+    model, opt, ckpt, _ = _job(root, run_id="r")
+    _train(model, opt, ckpt, range(1, 2))
+    ckpt.close()
+    assert sorted(os.listdir(root)) == sorted([os.path.basename(newer), os.path.basename(users), "step-00000001"])
+
+
 def test_two_jobs_started_before_either_saved(tmp_path):
     """Neither job had saved when the other restored (no lease yet): the first save takes the
     root, the other job's first save is refused on every rank, naming it, writing nothing."""

@@ -30,7 +30,9 @@ Note [abandoned temporaries]
     an older temporary has no writer; one touched since the save started is left alone (a
     second writer there would be a mistake, but not one to lose data for). On a network
     filesystem the file times come from the server: a clock ahead of rank 0's keeps a stale
-    temporary until a later save, one behind only matters for that second writer.
+    temporary until a later save, one behind only matters for that second writer. A
+    Checkpointer's root lease (``_owner.py``) is written the same way, and its abandoned
+    temporaries in the root go by the same rule after each complete save.
 
 Note [one save at a time]
     Two saves into one directory at once -- a job launched again while the old one still

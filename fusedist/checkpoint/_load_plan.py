@@ -281,6 +281,8 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
         if first is None and len(saved_names) > len(names):
             detail += (f"; the checkpoint's optimizer also holds {saved_names[len(names):][:3]}: param groups it "
                        "gained during training (add_param_group) must be added again before loading")
+        if first is None and len(saved_names) < len(names):
+            detail += f"; the optimizer here also holds {names[len(saved_names):][:3]}: {_names.ADDED_AFTER_LOAD}"
         raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
     shards = sections("optimizer_shard") if meta["kind"] == "zero" else None
     saved_groups = (shards[0] if shards else common.get("optimizer") or {}).get("param_groups")

@@ -112,6 +112,11 @@ def strip_prefix(state: dict, expected) -> dict:
 
 DDP_PREFIX = "module."
 
+# What to do with an optimizer's parameters its checkpoint does not hold: torch's
+# load_state_dict refuses other param groups, and a group added after the load starts without state.
+ADDED_AFTER_LOAD = ("param groups added since the save (add_param_group) are added after loading: load into the "
+                    "optimizer as it was saved, then add them (they start without state)")
+
 
 def has_ddp_prefix(names: list, expected) -> bool:
     """Whether every one of ``names`` (at least one) carries DDP's ``module.`` and none is a name

@@ -114,6 +114,25 @@ def write(root: str, lease: dict) -> None:
     _files.atomic_write(_path(root), lambda f: f.write(data))
 
 
+def remove_stale_temporaries(root: str, started: float) -> list:
+    """Remove the lease's temporaries that processes killed while writing it left in ``root``,
+    by the rule of a checkpoint directory's (Note [abandoned temporaries] in ``_files.py``): those
+    last modified before ``started``, when the save that just completed began. Only the lease
+    holder calls it, so a temporary of another job's lease being written now is newer and kept."""
+    removed = []
+    for name in sorted(os.listdir(root)):
+        match = _files._TEMPORARY.match(name)
+        if match is None or match.group(1) != LEASE:
+            continue
+        try:
+            if os.path.getmtime(os.path.join(root, name)) < started:
+                os.unlink(os.path.join(root, name))
+                removed.append(name)
+        except OSError:
+            pass  # gone meanwhile: the next save looks again
+    return removed
+
+
 def refusal(root: str, run: str, source: str, timeout: Optional[float] = None) -> Optional[str]:
     """Why a job of ``run`` may not write ``root`` (another run's lease, holder maybe alive),
     or None. With ``timeout``, a lease with a heartbeat is waited on until it is renewed or

@@ -95,6 +95,7 @@ class PersistMixin:
                 return
             try:
                 record["removed"] = layout.retain(self.directory, self.keep, step, started)
+                _owner.remove_stale_temporaries(self.directory, started)
             except Exception as exc:  # noqa: BLE001 - the new checkpoint is complete; old ones stay a while longer
                 warnings.warn(f"fusedist.checkpoint.Checkpointer: retention under {self.directory} failed: "
                               f"{type(exc).__name__}: {exc}")

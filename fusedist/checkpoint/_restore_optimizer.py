@@ -63,7 +63,8 @@ def _refuse_other_parameters(path: str, model, optimizer, meta: dict) -> None:
     lacking = [n for n in here if n not in saved]
     extra = [n for n in saved if n not in here]
     if lacking:
-        found.append(f"the checkpoint's optimizer lacks {lacking[:4]}{' ...' if len(lacking) > 4 else ''}")
+        found.append(f"the checkpoint's optimizer lacks {lacking[:4]}{' ...' if len(lacking) > 4 else ''}" + (
+            "" if extra else f": {_names.ADDED_AFTER_LOAD}"))
     if extra:
         found.append(f"the checkpoint's optimizer also holds {extra[:4]}{' ...' if len(extra) > 4 else ''}" + (
             "" if lacking else ": param groups it gained during training (add_param_group) must be added again "

@@ -197,8 +197,9 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
     def scale(self, outputs):
         """torch's ``scale``; the scaler is noted for the per-step check (Note [loss scale in the step
         check] in fusedist/reliability/scale_check.py)."""
-        scaled_with(self)
-        return super().scale(outputs)
+        scaled = super().scale(outputs)
+        scaled_with(self)  # (after: torch's scale() makes the scale at its first call)
+        return scaled
 
     # -- settings ------------------------------------------------------------------------------
     # torch's setters check nothing, so they took the values the constructor and load_state_dict

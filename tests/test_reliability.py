@@ -550,6 +550,61 @@ def test_gradients_cleared_before_the_step_on_one_rank_are_named_at_the_next_che
         assert "params:" not in text and "optimizer_steps:" not in text, text
 
 
+def _one_rank_clip_worker(rank, world_size):
+    """clip_grad_norm_ between backward() and step() on one rank only: its step applies clipped
+    averaged gradients, the other's unclipped ones (torch's DDP trains on silently, the replicas
+    apart). Clipping on every rank alike is no divergence, and returns torch's norm."""
+    import fusedist
+    from fusedist._consistency import RankMismatchError
+    from fusedist.optim.torch_clip import torch_clip_grad_norm_
+
+    def outcome(clips, clip):
+        torch.manual_seed(0)
+        model = fusedist.DistributedDataParallel(models.MLP())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        norms = []
+        try:
+            for step in range(4):  # (far below the parameter check's period)
+                x, y = models.MLP.batch(gen)
+                opt.zero_grad()
+                (model(x) - y).pow(2).mean().backward()
+                if step == 1 and clips:
+                    # (torch's norm, as its clip takes it: of the per-gradient norms)
+                    expected = torch.linalg.vector_norm(torch.stack([g.grad.norm() for g in model.parameters()]))
+                    norms.append((float(clip()(model.parameters(), 0.01)), float(expected)))
+                opt.step()
+        except RankMismatchError as exc:
+            return str(exc)
+        return norms
+
+    # (torch's name as looked up at the call, as bound before fusedist replaced it, and fusedist's own)
+    clips = {"torch": lambda: torch.nn.utils.clip_grad_norm_, "torch bound before": lambda: torch_clip_grad_norm_,
+             "fusedist": lambda: fusedist.clip_grad_norm_}
+    out = {f"alike {name}": outcome(True, clip) for name, clip in clips.items()}
+    out.update({name: outcome(rank == 1, clip) for name, clip in clips.items()})
+    # the norm measured for logging on rank 0 only (max_norm=inf scales nothing): no divergence
+    out["logged"] = outcome(rank == 0, lambda: lambda params, _: torch.nn.utils.clip_grad_norm_(params, float("inf")))
+    return out
+
+
+def test_a_clip_on_one_rank_only_is_named_at_the_next_check(launched):
+    for rank, out in enumerate(results_of(launched, "one rank clip")):
+        for name in ("torch", "torch bound before", "fusedist"):
+            norms = out[f"alike {name}"]
+            assert isinstance(norms, list) and len(norms) == 1, (name, norms)
+            assert norms[0][0] == pytest.approx(norms[0][1], rel=1e-6), (name, norms)
+            text = out[name]
+            assert f"this is rank {rank}" in text and "synchronized backward #2" in text, (name, text)
+            assert "clips: ranks [0]: 0; ranks [1]: 1 -- clip_grad_norm_ was called on some ranks only" in text, \
+                (name, text)
+            assert "params:" not in text and "optimizer_steps:" not in text, (name, text)
+            assert "the ranks were at the same point but did not run it alike" in text, (name, text)
+        logged = out["logged"]
+        assert isinstance(logged, list) and len(logged) == (1 if rank == 0 else 0), logged
+        assert all(norm == pytest.approx(expected, rel=1e-6) for norm, expected in logged), logged
+
+
 # ---------------------------------------------------------------- the shared launch
 def _under(rank, world_size, env, fn, *args):
     """``under_env`` with a dict result given its wall time as ``elapsed``."""
@@ -578,6 +633,8 @@ def launched(request, tmp_path_factory):
             "loss scale": (_under, (FAST_FAILURE, _loss_scale_worker))},
         "test_gradients_cleared_before_the_step_on_one_rank_are_named_at_the_next_check": {
             "cleared grads": (_under, (FAST_FAILURE, _cleared_grads_worker))},
+        "test_a_clip_on_one_rank_only_is_named_at_the_next_check": {
+            "one rank clip": (_under, (FAST_FAILURE, _one_rank_clip_worker))},
     }, 2, timeout=180)
 
 

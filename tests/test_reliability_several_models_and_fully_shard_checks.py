@@ -140,6 +140,49 @@ def test_fully_shard_ranks_in_different_train_eval_modes_are_named_on_every_rank
         assert "train mode on ranks [0], eval mode on ranks [1]" in text, text
 
 
+def _sharded_dropout_mode_worker(rank, world_size):
+    """A Dropout (no parameters) put in eval mode on one rank only, in the tree as wrapped and after
+    it was replaced (Note [every module's mode under a fully_shard root] in sharded_watch.py); torch's
+    FSDP2 trains on silently. Every rank switching it alike is no divergence."""
+    import fusedist
+    from fusedist._consistency import RankMismatchError
+
+    def outcome(switch, replace=False):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Dropout(0.5), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+        fusedist.fully_shard(net[0])
+        fusedist.fully_shard(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        try:
+            for step in range(3):
+                if step == 1:
+                    if replace:  # (on every rank: the tree changed after the first forward)
+                        net[1] = torch.nn.Dropout(0.25)
+                    if switch:
+                        net[1].eval()
+                net(torch.randn(4, 5, generator=gen)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            net.check_consistency()
+        except RankMismatchError as exc:
+            return str(exc)
+        return "no error"
+
+    return {"alike": outcome(True), "one rank": outcome(rank == 1), "replaced": outcome(rank == 1, replace=True)}
+
+
+def test_fully_shard_dropout_in_eval_mode_on_one_rank_is_named_on_every_rank(launched):
+    for rank, out in enumerate(results_of(launched, "dropout mode")):
+        assert out["alike"] == "no error", out["alike"]
+        for case in ("one rank", "replaced"):
+            text = out[case]
+            assert f"this is rank {rank}" in text and "synchronized backward #1" in text, (case, text)
+            assert "modes: ranks [0] | ranks [1] ran in different modes -- " in text, (case, text)
+            assert "module '1' (Dropout): train mode on ranks [0], eval mode on ranks [1]" in text, (case, text)
+            assert "module '0'" not in text and "trainable:" not in text, (case, text)
+
+
 def _sharded_cleared_grads_worker(rank, world_size):
     """optimizer.zero_grad() between backward() and step() (Note [gradients cleared before the
     step] in optimizer_guard.py): on one rank, named at the next check; on every rank, no error."""
@@ -203,6 +246,8 @@ def launched(request):
         "test_fully_shard_step_check_is_not_named_a_ddp_one": {"tags": (_sharded_tags_worker, ())},
         "test_fully_shard_ranks_in_different_train_eval_modes_are_named_on_every_rank": {
             "eval mode": (_sharded_eval_mode_worker, ())},
+        "test_fully_shard_dropout_in_eval_mode_on_one_rank_is_named_on_every_rank": {
+            "dropout mode": (_sharded_dropout_mode_worker, ())},
         "test_fully_shard_gradients_cleared_before_the_step_on_one_rank_are_named": {
             "cleared grads": (_sharded_cleared_grads_worker, ())},
     }, 2, timeout=120)

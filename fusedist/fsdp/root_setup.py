@@ -67,4 +67,5 @@ def set_up_root(root) -> None:
     # Its buffers live across steps: made outside inference mode even when the first
     # forward runs under torch.inference_mode() (an evaluation before training).
     with torch.inference_mode(False):
-        ctx.watch = ShardedStepWatch(units[0].comm, signature, [p for u in units for p in u.sharded], units)
+        ctx.watch = ShardedStepWatch(units[0].comm, signature, [p for u in units for p in u.sharded], units,
+                                     members=root.modules)

@@ -19,6 +19,7 @@ from typing import Iterable, Union
 import torch
 
 from ..ownership import any_gradient_holder, gradient_holder
+from ..reliability.clip_check import count_clip
 from ._eager import CLIP_REASON, eager_under_compile
 from ._scaler_protocol import _grad_of, looked_up_once, without_none
 from .functional import _dtype_of
@@ -76,6 +77,8 @@ def clip_grad_norm_(
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = list(parameters)
+    # Each path counts the call once (Note [a clip on some ranks only] in fusedist/reliability/clip_check.py);
+    # torch's, at the end, through its scaling step (fusedist/optim/torch_clip.py).
     # Gradients held sharded across ranks (ZeRO stage 2 keeps only a shard, p.grad is None;
     # fully_shard's p.grad is this rank's shard): the holder computes the global norm.
     holders, unheld = {}, False
@@ -88,6 +91,7 @@ def clip_grad_norm_(
     if holders:
         joint = None if unheld or len(holders) == 1 else joint_fully_shard_holder(list(holders.values()))
         if joint is not None:  # Note [plain units beside tensor-parallel ones] in fusedist/fsdp/holder.py
+            count_clip(params, max_norm)
             return joint[0].clip_sharded_grads_(joint[1], max_norm, norm_type, error_if_nonfinite)
         if len(holders) > 1 or unheld:
             raise ValueError(mixed_holders_message(
@@ -97,6 +101,7 @@ def clip_grad_norm_(
         # (a stage-2 optimizer also clips some of its parameters: Note [clipping some of the
         # parameters in stage 2] in fusedist/zero/grads.py)
         clip = getattr(holder, "clip_grads_of_", holder.clip_sharded_grads_)
+        count_clip(params, max_norm)
         return clip(held, max_norm, norm_type, error_if_nonfinite)
     max_norm = float(max_norm)
     # (whole-list passes: Note [whole-list passes] in _scaler_protocol.py)
@@ -117,6 +122,7 @@ def clip_grad_norm_(
                 if opt.step_context.grad_sumsq is None:
                     continue
                 if set(map(id, opt._fusedist_grad_params())) == ids:
+                    count_clip(params, max_norm)
                     return _record_clip(opt, grads, max_norm, error_if_nonfinite)
         materialize_unscales(with_grad, pending)
     if foreach is not False and any(g.is_neg() or g.is_conj() for g in grads):

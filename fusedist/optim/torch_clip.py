@@ -13,7 +13,9 @@ Face's Trainer, torchtitan's ``get_total_norm`` + ``clip_grads_with_norm_``), so
 import must keep it right rather than ask every caller to switch.
 
 The first registration of a gradient holder (``fusedist/ownership.py``: a ``fully_shard`` unit or
-a stage-2 ``ZeroRedundancyOptimizer``) therefore installs four narrow replacements in torch:
+a stage-2 ``ZeroRedundancyOptimizer``) therefore installs four narrow replacements in torch (so
+does the first DDP model with the per-step check on, which counts the clips: Note [a clip on some
+ranks only] in fusedist/reliability/clip_check.py):
 
 * ``torch.nn.utils.clip_grad_norm_`` (also under ``torch.nn.utils.clip_grad``): parameters with
   a gradient holder go to :func:`fusedist.clip_grad_norm_` (the global norm, one small
@@ -95,6 +97,7 @@ import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad_module
 
 from ..ownership import gradient_holder, held_parameters
+from ..reliability.clip_check import count_clip
 from ._eager import TORCH_CLIP_REASON, eager_under_compile
 from .grad_norms import norm_result_dtype
 from .step_context import materialize_unscales
@@ -283,12 +286,13 @@ def _global_clip_grad_norm_eager(parameters, max_norm, norm_type=2.0, error_if_n
     if any(h is not None for h in holders):
         holder = _one_fully_shard_holder(params, holders)
         if holder is not None:
+            count_clip(params, max_norm)  # Note [a clip on some ranks only] in fusedist/reliability/clip_check.py
             held = [p for p, h in zip(params, holders) if h is not None]
             return _clip_pieces_as_torch(holder, held, max_norm, norm_type, error_if_nonfinite, foreach)
         from .clip import clip_grad_norm_
 
-        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)  # (counts the call)
+    return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite, foreach)  # (counted by its scaling step)
 
 
 def _one_fully_shard_holder(params: list, holders: list):
@@ -350,12 +354,16 @@ def _held_by_stage2(p) -> bool:
 def _clip_grads_with_norm_eager(parameters, max_norm, total_norm, foreach=None) -> None:
     last = getattr(_empty_norm, "last", None)
     _empty_norm.last = None
+    # (torch's clip_grad_norm_ scales through here, bound before the installation or not: each clip
+    # is counted once, here or by fusedist's clip: Note [a clip on some ranks only] in
+    # fusedist/reliability/clip_check.py)
+    params = _as_list(parameters)
     if last is not None and last[0] is total_norm:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         _, norm_type, error_if_nonfinite, measured, version, holders = last
         # (an in-place all-reduce leaves the version as it was: the value tells)
         changed = total_norm._version != version or not torch.allclose(total_norm, measured, 0.0, 0.0, True)
         if holders is not None and _all_parameters_of(params, holders):
+            count_clip(params, max_norm)
             _clip_stage2_by(max_norm, total_norm, holders)  # the norm measured, or the caller's from it
             return
         if changed:  # combined by the caller over other stages: no norm of these gradients to take
@@ -363,11 +371,11 @@ def _clip_grads_with_norm_eager(parameters, max_norm, total_norm, foreach=None) 
         elif any(_held_by_stage2(p) for p in params):
             from .clip import clip_grad_norm_
 
-            norm = clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+            norm = clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)  # (counts the call)
             total_norm.copy_(norm)  # the tensor torch's clip_grad_norm_ returns to its caller
             return
-        parameters = params
-    _TORCH_CLIP_WITH_NORM(parameters, max_norm, total_norm, foreach)
+    count_clip(params, max_norm)
+    _TORCH_CLIP_WITH_NORM(params, max_norm, total_norm, foreach)
 
 
 def _refuse_combined_norm(params: list, holders) -> None:

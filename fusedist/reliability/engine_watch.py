@@ -73,9 +73,12 @@ class WatchBase:
         self.forwards = 0  # training forwards (grad enabled)
         self.optimizer_steps = 0  # counted by fusedist.reliability.optimizer_guard
         self.cleared_steps = 0  # of those, taken with the gradients cleared (Note [gradients cleared before the step])
+        self.clips = 0  # clip_grad_norm_ calls over the model's parameters (Note [a clip on some ranks only])
         self.last_backward_synced = True
         self.checking = False  # inside check_consistency() (Note [a rank behind at the check])
         self.step_check = StepCheck(comm, self.check_tag) if checks_enabled() and comm.world_size > 1 else None
+        if self.step_check is not None:
+            _count_torch_clips()
         self.monitor = attach_monitor(comm)
         if self.monitor is not None:
             self.monitor.add_context_provider(self.position)
@@ -266,6 +269,7 @@ class StepWatch(WatchBase, EngineObserver):
             self._modes,  # Note [train and eval modes in the step check]
             scale_field(),  # Note [loss scale in the step check]
             self.cleared_steps,  # Note [gradients cleared before the step] in optimizer_guard.py
+            self.clips,  # Note [a clip on some ranks only] in clip_check.py
             0,  # the parameter digest, when due, is written on the device
             0,  # replicas: fully_shard's (Note [replica check] in sharded_watch.py)
         ], functools.partial(self._detail, engine, len(engine.layout.buckets), unused, checked_now,
@@ -373,11 +377,12 @@ class StepWatch(WatchBase, EngineObserver):
 
     # ------------------------------------------------------------------ joined ranks
     def counters(self) -> list:
-        return [self.sync_steps, self.forwards, self._engine.iteration, self.optimizer_steps]
+        return [self.sync_steps, self.forwards, self._engine.iteration, self.optimizer_steps, self.clips]
 
     def set_counters(self, values: list) -> None:
-        """Take the last joiner's counters (Note [joined ranks] in fusedist/ddp/join.py)."""
-        self.sync_steps, self.forwards, self._engine.iteration, self.optimizer_steps = values
+        """Take the last joiner's counters (Note [joined ranks] in fusedist/ddp/join.py); the clips too: a
+        joined rank skipped the clips of the steps it shadowed (Note [a clip on some ranks only])."""
+        self.sync_steps, self.forwards, self._engine.iteration, self.optimizer_steps, self.clips = values
 
     def position(self) -> dict:
         """Where training is, for stall reports (fusedist.reliability)."""
@@ -413,6 +418,16 @@ def _wait_for_parameters(engine) -> None:
     wait = getattr(_wrapper_of(engine), "_wait_for_params", None)
     if wait is not None:
         wait(True)  # (as before a traced forward: every gather)
+
+
+def _count_torch_clips() -> None:
+    """torch's ``clip_grad_norm_`` replaced (Note [torch's clip on sharded gradients] in
+    fusedist/optim/torch_clip.py), so that its calls are counted (Note [a clip on some ranks only]
+    in clip_check.py); over parameters without a gradient holder it is torch's own function."""
+    from ..optim import torch_clip  # (here, not at import: fusedist.optim imports the reliability layer)
+
+    if not torch_clip.installed():
+        torch_clip.install()
 
 
 def _tree_modules(engine) -> list:

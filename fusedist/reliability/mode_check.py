@@ -10,15 +10,16 @@ Note [train and eval modes in the step check]
     stop pairing instead, which the divergence probe names after a few seconds.)
 
     So each training forward reads the ``training`` flag of the model's modules (DDP: every module
-    of the wrapped tree; fully_shard: the modules holding its parameters, which ``model.eval()``
-    switches too) into a CRC, the check's ``modes`` field (Note [step check] in step_check.py): one
-    more integer in the check's vector and in each rank's row of the tail the last bucket carries
-    (four more elements per rank), so an error's label says what differs. The read is C-level
-    (``map`` of an attribute getter over a list the wrapper keeps, then one ``crc32`` over the
-    bytes): a few microseconds for a thousand modules, and no collective of its own. Ranks whose
-    modes differ raise :class:`RankMismatchError` on every rank at the next forward, naming the
-    modules and the ranks in each mode (two small all-gathers, on the error path only). Training in
-    eval mode on every rank alike (frozen batch-norm statistics) is not a divergence and is not flagged.
+    of the wrapped tree; fully_shard: every module under the root, Note [every module's mode under a
+    fully_shard root] in sharded_watch.py) into a CRC, the check's ``modes`` field (Note [step
+    check] in step_check.py): one more integer in the check's vector and in each rank's row of the
+    tail the last bucket carries (four more elements per rank), so an error's label says what
+    differs. The read is C-level (``map`` of an attribute getter over a list the wrapper keeps, then
+    one ``crc32`` over the bytes): a few microseconds for a thousand modules, and no collective of
+    its own. Ranks whose modes differ raise :class:`RankMismatchError` on every rank at the next
+    forward, naming the modules and the ranks in each mode (two small all-gathers, on the error path
+    only). Training in eval mode on every rank alike (frozen batch-norm statistics) is not a
+    divergence and is not flagged.
 """
 
 from __future__ import annotations

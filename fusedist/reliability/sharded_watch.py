@@ -104,7 +104,7 @@ class ShardedStepWatch(WatchBase):
                        "sums, so the ranks would diverge. Turn gradient synchronization back on for the last "
                        "micro-batch's backward before stepping." + PIPELINE_HINT)
 
-    def __init__(self, comm, wrapping: list, params: list, units: list = ()):
+    def __init__(self, comm, wrapping: list, params: list, units: list = (), members: list = ()):
         self.comm = comm
         self.units = len(wrapping)
         self.wrapping_crc = zlib.crc32(repr(wrapping).encode()) & 0x7FFFFFFF
@@ -129,9 +129,11 @@ class ShardedStepWatch(WatchBase):
         self._replicas: Optional[ParamDigest] = None  # the digests of this rank's pieces, built when first due
         self._replica_table: Optional[torch.Tensor] = None  # the last exchange with the replicas (digest, counters)
         self._units_of = units
-        # Note [train and eval modes in the step check] in mode_check.py: the modules holding the
-        # parameters (model.eval() switches them too), and their flags at the last training forward
-        self._mode_modules = _holding_modules(units)
+        # Note [every module's mode under a fully_shard root]: (path, module) of every module under the
+        # root's members (``members``), taken again when the tree changes; their flags at the last training forward
+        self._members = list(members)
+        self._mode_modules = _every_module(self._members) if self._members else _holding_modules(units)
+        self._read_modes = [m for _, m in self._mode_modules]
         self._modes = 0
         self._names: dict = {}  # piece -> its current path (weak keys), once the module's tree changed
         from . import optimizer_guard
@@ -146,7 +148,7 @@ class ShardedStepWatch(WatchBase):
         self.settle()
         self.forwards += 1
         if self.step_check is not None:
-            self._modes = modes_crc([m for _, m in self._mode_modules])
+            self._modes = modes_crc(self._read_modes)
 
     def backward_begins(self) -> None:
         self.in_backward = True
@@ -191,7 +193,7 @@ class ShardedStepWatch(WatchBase):
     def _launch(self, checked_now: bool) -> None:
         detail = dict(SUBJECT, buckets=self.units, checked_now=checked_now, unused_names=self._without_grad,
                       describe_trainable=self._describe_units,
-                      describe_modes=lambda comm: describe_modes(comm, _holding_modules(self._units_of)))
+                      describe_modes=lambda comm, named=self._mode_modules: describe_modes(comm, named))
         flag = replicas = None
         if self.param_every and (checked_now or self.sync_steps % self.param_every == 0):
             detail.update(explain=dict(SUBJECT["explain"], params=REPLICAS_DIFFER))
@@ -206,7 +208,7 @@ class ShardedStepWatch(WatchBase):
         self.step_check.launch(
             [self.sync_steps, self.forwards, self.backwards, self.optimizer_steps, self.wrapping_crc,
              self.comm.last_seq, self._gradients_crc, self._units_crc, self._modes,  # (Note in mode_check.py)
-             scale_field(), self.cleared_steps,  # (Notes in scale_check.py, optimizer_guard.py)
+             scale_field(), self.cleared_steps, self.clips,  # (Notes in scale_check, optimizer_guard, clip_check)
              0, 0],  # (the replica flags, if due)
             detail, digest=flag, replicas=replicas)
 
@@ -240,6 +242,9 @@ class ShardedStepWatch(WatchBase):
         ``current`` maps a parameter (by identity) to its path now; the replica check's messages name the
         pieces so, not by the paths they had when its digest was built (those may be other blocks')."""
         self._names = current
+        if self._members:  # Note [every module's mode under a fully_shard root]
+            self._mode_modules = _every_module(self._members)
+            self._read_modes = [m for _, m in self._mode_modules]
         if self._replicas is not None:
             self._replicas.names = [n for n, _ in _named_pieces(self._units_of, current)]
 
@@ -325,6 +330,25 @@ def _global(comm, position: int) -> int:
     """The global rank of ``position`` in ``comm``'s group."""
     ranks = global_ranks(comm)
     return ranks[position] if ranks is not None else position
+
+
+# Note [every module's mode under a fully_shard root]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The modes field (Note [train and eval modes in the step check] in mode_check.py) reads every
+# module under the root's members, not only those holding parameters: a Dropout (no parameters)
+# put in eval mode on one rank only changes that rank's loss as much as a whole model.eval(). The
+# list is kept, not walked per forward (a kept list of 1,200 modules costs 35 us per forward, a
+# walk of root.modules() 569 us), and taken again where the root follows a change of its tree
+# (Note [unit paths follow the module] in fusedist/fsdp/tree_names.py calls names_changed), so a
+# module inserted, replaced or removed after the first forward is read as the tree is now.
+def _every_module(members: list) -> list:
+    """(path under the root, module) of every module under ``members``, once each, in the order
+    ``named_modules()`` walks them (the same on every rank whose tree is the same)."""
+    found: dict = {}
+    for member in members:
+        for name, module in member.named_modules():
+            found.setdefault(id(module), (name, module))
+    return list(found.values())
 
 
 def _holding_modules(units) -> list:

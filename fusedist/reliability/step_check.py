@@ -24,6 +24,8 @@ Note [step check]
         grads_cleared    optimizer steps taken with every gradient of the model cleared after a
                          synchronized backward (Note [gradients cleared before the step] in
                          optimizer_guard.py)
+        clips            clip_grad_norm_ calls over the model's parameters (Note [a clip on
+                         some ranks only] in clip_check.py)
         params           every few steps and at check_consistency(), a digest of the
                          replicated parameters' values, else 0 (Note [parameter check] in
                          param_check.py)
@@ -75,6 +77,7 @@ from ..comm import Communicator, given_up_exit
 from ..comm.base import CollectiveError, global_ranks
 from .._process_hooks import at_exit
 from . import carried_check
+from .clip_check import EXPLAIN as CLIPS_EXPLAIN
 from .mode_check import EXPLAIN as MODES_EXPLAIN
 from .scale_check import EXPLAIN as SCALE_EXPLAIN, shown as shown_scale
 
@@ -82,10 +85,10 @@ from .scale_check import EXPLAIN as SCALE_EXPLAIN, shown as shown_scale
 JOINED = -(2**62)
 
 FIELDS = ("sync_step", "forward", "backward", "optimizer_steps", "layout", "collective_seq", "unused", "trainable",
-          "modes", "loss_scale", "grads_cleared", "params", "replicas")
+          "modes", "loss_scale", "grads_cleared", "clips", "params", "replicas")
 
 #: Fields that differ while the ranks are at the same point of their steps (every counter agrees).
-SAME_POINT_FIELDS = {"modes", "loss_scale", "grads_cleared", "params"}
+SAME_POINT_FIELDS = {"modes", "loss_scale", "grads_cleared", "clips", "params"}
 
 _EXPLAIN = {
     "sync_step": "a rank skipped (or added) a synchronized backward pass, so bucket averages "
@@ -106,6 +109,7 @@ _EXPLAIN = {
     "grads_cleared": "optimizer.step() ran with the model's gradients cleared (optimizer.zero_grad() between "
     "backward() and step()) on some ranks only: their step applied nothing while the others applied the averaged "
     "gradients, so the replicas drift apart; clear (or skip the step) on every rank alike",
+    "clips": CLIPS_EXPLAIN,
     "params": "the replicated parameters' values differ across ranks: a rank changed its gradients after they "
     "were averaged (code between backward() and optimizer.step() that writes p.grad on some ranks only), changed "
     "weights in place, loaded a checkpoint, stepped an optimizer or a learning-rate scheduler on its own, or the "
@@ -508,10 +512,11 @@ def render_mismatch(table: list[list[int]], rank: int, detail: dict) -> str:
 #
 # Limit: the counters cannot see such a change at all, with a torch optimizer or a fused one
 # alike -- nothing the check carries describes the gradients after the reduce, and a digest of
-# them would be a pass over every gradient at every step. Two such changes have cheap fields of
+# them would be a pass over every gradient at every step. Three such changes have cheap fields of
 # their own, named at the next step: a GradScaler scale that differs (Note [loss scale in the step
-# check] in scale_check.py) and gradients cleared before the step (Note [gradients cleared before
-# the step] in optimizer_guard.py). It shows only through the parameter
+# check] in scale_check.py), gradients cleared before the step (Note [gradients cleared before
+# the step] in optimizer_guard.py) and a clip_grad_norm_ on some ranks only (Note [a clip on some
+# ranks only] in clip_check.py). The rest shows only through the parameter
 # digest, at its period (FUSEDIST_PARAM_CHECK_EVERY, default 100) and at check_consistency():
 # the ranks may train apart for up to that many steps before the error. (An inf written on one
 # rank usually turns the parameters NaN on every rank after the next average: the ranks then

@@ -316,8 +316,11 @@ def failure_message(stage, chunk: int, error: Exception, where: str = "") -> str
     text = str(error)
     if text.startswith("fusedist.pipelining.PipelineStage: "):
         return text
-    return (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {stage.group_rank} of the "
-            f"pipeline's group) failed at micro-batch {chunk}{where}: {_root_cause(error)}")
+    me = dist.get_rank() if dist.is_initialized() else stage.group_rank
+    rank = f"rank {stage.group_rank} of the pipeline's group" + (f", global rank {me}" if me != stage.group_rank
+                                                                  else "")
+    return (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} ({rank}) failed at micro-batch "
+            f"{chunk}{where}: {_root_cause(error)}")
 
 
 def send_failure(stage, chunk: int, error: Exception) -> str:

@@ -54,6 +54,22 @@ Note [the failure told, of several]
     all zeros, 0 for none: the lowest rank that failed on real inputs is told, else the lowest failing one.
     A stage whose real inputs were all zeros counts as failing on zeros; that matters only where another
     rank failed too. Read only after a failure: a step that does not fail reads nothing more.
+
+Note [a pipeline's failure told to its data-parallel peers]
+    With data parallelism across pipelines (a mesh ``pp x dp``, each stage module under fusedist DDP or
+    ``fully_shard`` over ``dp``), a failing stage's rank waits in its pipeline's exchange while the same
+    stage's ranks of the other pipelines wait in a data-parallel reduction it never issues; their pipelines
+    wait for their gradients, and the failing pipeline's other ranks for those reductions: every rank waited
+    out the process group's timeout (a cycle across groups the divergence probe could not see: it reads
+    waits in fusedist's collectives only). So while a failing rank waits in the exchange it publishes its
+    message as a failure entry in each of its monitored groups (Note [a failure outside the group's
+    collectives] in fusedist/reliability/failed_elsewhere.py); a peer's wait blocked past
+    ``FUSEDIST_DIVERGENCE_PROBE_S`` then fails, that peer's pass fails, and its stage tells its pipeline
+    the failure it read (not its own wait's), so every rank of every pipeline raises the first failure's
+    message about a second past the probe's delay. The entries are withdrawn once the exchange completes.
+    The message names the rank in the pipeline's group and, where it differs, the global rank. Where the
+    probe is off (``FUSEDIST_DIVERGENCE_PROBE_S=0`` or ``FUSEDIST_CHECKS=0``), such a failure still
+    reaches the other ranks at the group's timeout.
 """
 
 from __future__ import annotations
@@ -67,6 +83,7 @@ from ._pipeline_inference import (
     _FAILED, NOTICE_BYTES, NOTICE_WAIT_S, _notice, failure_message, notice_failure, notice_send_ops)
 from ._pipeline_notice_back import back_send_ops
 from ._pipeline_step_failures import last_schedule, put_back_gradients
+from .reliability import failed_elsewhere
 
 
 def status_armed(stage) -> bool:
@@ -138,8 +155,10 @@ def told_at_step_end(stage, chunk: int, error: Exception, where: str, backward: 
     of it there); None where it is not, and the pass's own error stands."""
     if not fails_here(stage):
         return None
-    return RuntimeError(fail_step(stage, failure_message(stage, chunk, error, where),
-                                  received_zeros(stage, chunk, backward)))
+    # Note [a pipeline's failure told to its data-parallel peers]: a wait that failed because a peer of a
+    # data-parallel group failed in its pipeline tells that failure, not the wait's
+    message = failed_elsewhere.failure_told(error) or failure_message(stage, chunk, error, where)
+    return RuntimeError(fail_step(stage, message, received_zeros(stage, chunk, backward)))
 
 
 def fail_step(stage, message: str, on_zeros: bool = False) -> str:
@@ -203,7 +222,12 @@ def exchange(stage, message, on_zeros: bool = False):
     size, me = stage.group_size, stage.group_rank
     priority = 0 if message is None else (size - me) + (0 if on_zeros else size)
     flag = torch.tensor([priority], dtype=torch.int64, device=stage.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=stage.group)
+    # Note [a pipeline's failure told to its data-parallel peers]
+    published = [] if message is None else failed_elsewhere.publish(message)
+    try:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=stage.group)
+    finally:
+        failed_elsewhere.withdraw(published)
     top = int(flag.item())
     if top == 0:
         return None

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
-from shared_rank_launch import launch_for_selected, results_of, with_fresh_compiler
+from shared_rank_launch import launch_for_selected, results_of, under_env, with_fresh_compiler
 
 WIDTH, BLOCKS_PER_STAGE, MICRO_BATCHES, STEPS = 16, 2, 4, 2
 
@@ -1028,6 +1028,75 @@ def test_stages_of_fusedist_ddp_reduce_once_per_step(launched4):
             assert got["buckets"] == (2 if "ZeroBubble" in case else 1) * STEPS, (rank, case, got)
 
 
+
+def _dp_peer_failure_worker(rank, world_size, seed):
+    """pp=2 x dp=2; stage 1 of pipeline 0 (global rank 2) fails in its loss at micro-batch 2 of a step: each
+    rank's error and how long after the step began it came."""
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    out = {}
+    for wrap in ("DistributedDataParallel", "fully_shard"):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        pp, dp = mesh["pp"], mesh["dp"]
+        module = _stage_module(pp.get_local_rank(), 2, seed)
+        wrapped = (fusedist.DistributedDataParallel(module, process_group=dp.get_group())
+                   if wrap == "DistributedDataParallel" else fusedist.fully_shard(module, mesh=dp))
+        stage = PipelineStage(wrapped, pp.get_local_rank(), 2, torch.device("cpu"), group=pp.get_group())
+
+        def loss_fn(o, t):
+            if bool((t == 777).all()):
+                raise ValueError("the target of micro-batch 2 is refused")
+            return ((o - t) ** 2).mean()
+
+        schedule = pipelining.Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+        g = torch.Generator().manual_seed(seed + dp.get_local_rank())
+        x, y = torch.randn(2 * MICRO_BATCHES, WIDTH, generator=g), torch.randn(2 * MICRO_BATCHES, WIDTH, generator=g)
+        if rank == 2:
+            y[4:6] = 777  # micro-batch 2's rows
+        torch.distributed.barrier()
+        began, raised = time.monotonic(), None
+        try:
+            schedule.step(x) if pp.get_local_rank() == 0 else schedule.step(target=y)
+        except RuntimeError as e:
+            raised = str(e)
+        out[wrap] = (time.monotonic() - began, raised, _failure_entries_left())
+    return out
+
+
+def _failure_entries_left():
+    """Which of this rank's groups still hold its entry of a failure told elsewhere (the store key the
+    divergence probe reads)."""
+    import json
+
+    from fusedist.reliability import monitor, stall_report
+
+    left = []
+    for m in list(monitor._monitors):
+        key = stall_report._key(m.group_name, m.generation, m.comm.rank)
+        if m.store is not None and m.store.check([key]) and "failed_elsewhere" in json.loads(m.store.get(key)):
+            left.append(m.group_name)
+    return left
+
+
+def test_a_failure_in_one_pipeline_fails_every_data_parallel_pipeline_promptly(launched4):
+    """pp=2 x dp=2, stage modules under fusedist DDP or fully_shard over dp; global rank 2 (stage 1 of
+    pipeline 0) fails in its loss at micro-batch 2. Its data-parallel peer waited in a reduction it never
+    issues, and every rank in a cycle behind it, until the collective timeout (20 s here); now every rank
+    raises the failure's own message (stage, ranks, micro-batch, exception) shortly after the divergence
+    probe's delay (0.5 s here), and no entry of it is left in the store."""
+    for rank, out in enumerate(results_of(launched4, "dp peer failure")):
+        for wrap, (seconds, raised, left) in out.items():
+            assert raised is not None and ("stage 1 (rank 1 of the pipeline's group, global rank 2) failed at "
+                                           "micro-batch 2's loss: ValueError: the target of micro-batch 2 is "
+                                           "refused") in raised, (rank, wrap, raised)
+            assert seconds < 6, (rank, wrap, seconds, raised)
+            assert left == [], (rank, wrap, left)  # withdrawn once told: a later wait is probed as before
+
+
 def _no_sync_worker(rank, world_size, seed):
     from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
@@ -1361,6 +1430,9 @@ def launched4(request, tmp_path_factory):
             "after a frozen stage": (_after_a_frozen_stage_worker, seed)},
         "test_zero_bubble_trains_weights_whose_paths_go_around_the_inputs": {
             "around the inputs": (_around_the_inputs_worker, seed)},
+        "test_a_failure_in_one_pipeline_fails_every_data_parallel_pipeline_promptly": {  # (last: it fails a step)
+            "dp peer failure": (under_env, {"FUSEDIST_DIVERGENCE_PROBE_S": "0.5", "FUSEDIST_TIMEOUT_S": "20"},
+                                _dp_peer_failure_worker, seed)},
     })
     return {"seed": seed, **launch_for_selected(request, jobs, 4, timeout=600)}
 

@@ -1,0 +1,83 @@
+"""A rank that failed outside its groups' collectives tells the peers blocked on it, through the store.
+
+Note [a failure outside the group's collectives]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A rank can fail somewhere no monitored collective sees -- a pipeline stage's loss, whose failure its
+pipeline learns of in an exchange at the step's end -- and then wait there, alive, while the peers of its
+other groups (the stage's data-parallel group) wait in a reduction it will never issue. Its connections
+stay open, so nothing on the wire ends their wait before the collective timeout, and the pipeline's
+exchange in turn waits on them. While such a rank waits to tell its failure, it publishes a ``failure``
+entry in each of its monitored groups (the store key the divergence probe reads, Note [divergence probe] in
+divergence.py), saying it waits in no collective of the group, with the failure's message. A peer whose
+wait has blocked past ``FUSEDIST_DIVERGENCE_PROBE_S`` then reads every rank of its group as stuck in
+collectives that cannot pair and fails its wait (about a second past the delay), and whoever handles that
+error can read which peer failed and why (:func:`failure_told`) and raise that. The entry is withdrawn once
+the rank's failure has been told, so a group used again later is probed as before. A rank whose group
+already holds its entry of a real collective failure keeps that one (Note [one entry per rank] in
+monitor.py). Costs nothing until a failure; store calls only then.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from . import monitor as _monitor
+from . import stall_report
+
+#: What the entry says the failed rank waits in (the probe names it beside its peers' collectives).
+WAITS_IN = "no collective of this group (it failed elsewhere and is telling its failure)"
+
+
+def publish(message: str) -> list:
+    """Publish ``message`` as this rank's failure in each of its monitored groups; the monitors written to
+    (for :func:`withdraw`). Never raises."""
+    written = []
+    for monitor in list(_monitor._monitors):
+        if monitor.store is None or monitor.reports:
+            continue
+        try:
+            entry = {"kind": "failure", "error": _monitor._short(RuntimeError(message)), "context": monitor.context(),
+                     "recent": list(monitor.history), "failed_elsewhere": message,
+                     "waiting_on": {"op": WAITS_IN, "tag": "", "seq": getattr(monitor.comm, "last_seq", -1) + 1}}
+            if stall_report.publish(monitor.store, monitor.group_name, monitor.generation, monitor.comm.rank, entry):
+                written.append(monitor)
+        except Exception:  # noqa: BLE001 - telling the peers is best effort; the failure itself is raised anyway
+            continue
+    return written
+
+
+def withdraw(written: list) -> None:
+    """Remove the entries :func:`publish` wrote (unless a real failure of the group replaced one since)."""
+    for monitor in written:
+        if not monitor.reports:
+            stall_report.withdraw(monitor.store, monitor.group_name, monitor.generation, monitor.comm.rank)
+
+
+def failure_told(error: BaseException) -> Optional[str]:
+    """The message a peer published (:func:`publish`) where ``error`` is, or was caused by, a fusedist
+    collective's failure in a group of this rank; else None. Reads the store only after such an error."""
+    from ..comm.base import CollectiveError
+
+    seen, cause = set(), error
+    while cause is not None and id(cause) not in seen and not isinstance(cause, CollectiveError):
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if not isinstance(cause, CollectiveError):
+        return None
+    for monitor in list(_monitor._monitors):
+        if monitor.store is None:
+            continue
+        for rank in range(monitor.comm.world_size):
+            if rank == monitor.comm.rank:
+                continue
+            key = stall_report._key(monitor.group_name, monitor.generation, rank)
+            try:
+                if not monitor.store.check([key]):
+                    continue
+                told = json.loads(monitor.store.get(key).decode()).get("failed_elsewhere")
+            except Exception:  # noqa: BLE001 - an unreadable entry tells nothing
+                continue
+            if told:
+                return told
+    return None

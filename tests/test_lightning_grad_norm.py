@@ -74,7 +74,8 @@ CASES = {
                                                "ddp_find_unused_parameters_true", dict(unused=True)),
     "ZeRO 2, fp16-mixed (shards still scaled)": ("fusedist_zero2", "ddp", dict(precision="16-mixed")),
     "ZeRO 2, accumulate 2, clip": ("fusedist_zero2", "ddp", dict(accumulate_grad_batches=2, gradient_clip_val=0.3)),
-    "ZeRO 1": ("fusedist_zero1", "ddp", {}),
+    # (norms 2 and inf, as the first case: the two share Lightning's reference run)
+    "ZeRO 1, norms 2 and inf": ("fusedist_zero1", "ddp", dict(norm_types=(2, "inf"))),
     "fused optimizer, fp16-mixed, Lightning's grad_norm": ("fusedist", "ddp",
                                                            dict(use_fusedist=False, precision="16-mixed")),
     "ZeRO 1, fp16-mixed": ("fusedist_zero1", "ddp", dict(precision="16-mixed")),

@@ -26,10 +26,11 @@ Note [a failure told at the step's end, several stages per rank]
     (once per rank, not per stage); every rank raises the same message, and no stage's step ends: each
     refuses the next step. Every stage's buffers are put back as the step found them; a stage module no one
     reduces gets its gradients back too, and its division by the micro-batch count (its
-    ``perform_reduce_grad``, a division only) waits for the exchange, so that a failed step divides nothing. A stage fusedist or torch reduces reduces at its
-    place in the list, as before, and keeps the sums after a failure (as after any step that raised).
-    Armed where every rank of the group holds a stage; ``FUSEDIST_CHECKS=0`` turns it off, as for one stage
-    per rank. A failure in the schedule's own code, or in its communication, is not covered.
+    ``perform_reduce_grad``, a division only) waits for the exchange, so that a failed step divides
+    nothing. A stage fusedist or torch reduces reduces at its place in the list, as before, and keeps the
+    sums after a failure (as after any step that raised). Armed where every rank of the group holds a
+    stage; ``FUSEDIST_CHECKS=0`` turns it off, as for one stage per rank. A failure in the schedule's own
+    code, or in its communication, is not covered.
 """
 
 from __future__ import annotations

@@ -247,6 +247,69 @@ def test_model_mismatch_names_parameters_and_shapes(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())), name
 
 
+def _size_mismatches(text: str, pattern: str) -> list:
+    """(key, saved shape, model shape) of each size mismatch a refusal names, in its order."""
+    return [(k, tuple(int(d) for d in a.split(",") if d.strip()), tuple(int(d) for d in b.split(",") if d.strip()))
+            for k, a, b in re.findall(pattern, text)]
+
+
+TORCH_SIZE_MISMATCH = (r"size mismatch for (\S+): copying a param with shape torch\.Size\(\[([\d, ]*)\]\) from "
+                       r"checkpoint, the shape in current model is torch\.Size\(\[([\d, ]*)\]\)")
+FUSEDIST_SIZE_MISMATCH = r"'(\S+)' has shape \(([\d, ]*)\) in the checkpoint, the model's is \(([\d, ]*)\)"
+
+
+@pytest.mark.parametrize("layers", [2, 13])
+def test_every_shape_mismatch_is_named_as_torch_names_them(tmp_path, layers):
+    """A model with several keys of another shape: every one is named with both shapes, in
+    torch's order (torch's load_state_dict lists every size mismatch), at most 20 of them and
+    how many more; the model is left untouched."""
+    from fusedist import checkpoint
+    from fusedist.checkpoint._load_plan import SHOWN_SHAPE_MISMATCHES
+
+    saved = nn.Sequential(*[nn.Linear(2, 2) for _ in range(layers)])
+    checkpoint.save(str(tmp_path), saved)
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(layers)])
+    with pytest.raises(RuntimeError) as torch_refusal:
+        model.load_state_dict(saved.state_dict())
+    expected = _size_mismatches(str(torch_refusal.value), TORCH_SIZE_MISMATCH)
+    assert len(expected) == 2 * layers, str(torch_refusal.value)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load(str(tmp_path), model)
+    message = str(info.value)
+    assert _size_mismatches(message, FUSEDIST_SIZE_MISMATCH) == expected[:SHOWN_SHAPE_MISMATCHES], message
+    assert f"{2 * layers} keys have another shape in {tmp_path} than in the model: '0.weight'" in message, message
+    more = 2 * layers - SHOWN_SHAPE_MISMATCHES
+    assert message.endswith(f"; and {more} more" if more > 0 else "the model's is (3,)"), message
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_optimizer_mismatch_says_only_what_differs(tmp_path):
+    """The optimizer's refusal names what it found: other counts without speaking of shapes,
+    and other shapes (a checkpoint whose optimizer records them differently) by parameter."""
+    from fusedist import checkpoint
+    from fusedist.checkpoint import _files
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    checkpoint.save(str(tmp_path), model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(checkpoint.CheckpointError) as fewer:
+        checkpoint.load(str(tmp_path), model, torch.optim.AdamW(model[0].parameters()))
+    assert "do not match" in str(fewer.value) and ": 4 parameters saved, 2 here; the checkpoint's optimizer also " \
+        "holds ['1.weight', '1.bias']" in str(fewer.value), str(fewer.value)
+    assert "shape" not in str(fewer.value), str(fewer.value)
+
+    manifest = _files.read_manifest(str(tmp_path))
+    manifest["optimizer"]["param_shapes"][0] = [3, 5]
+    manifest["optimizer"]["param_shapes"][3] = [7]
+    _files.write_manifest(str(tmp_path), manifest)
+    with pytest.raises(checkpoint.CheckpointError) as reshaped:
+        checkpoint.load(str(tmp_path), model, torch.optim.AdamW(model.parameters()))
+    assert str(reshaped.value).endswith(
+        f"do not match {tmp_path}: parameter 0 '0.weight' has shape (3, 5) in the checkpoint, (3, 4) here; "
+        "parameter 3 '1.bias' has shape (7,) in the checkpoint, (2,) here"), str(reshaped.value)
+    assert "parameters saved" not in str(reshaped.value), str(reshaped.value)
+
+
 def test_not_a_checkpoint_is_named_as_such(tmp_path):
     from fusedist import checkpoint
 

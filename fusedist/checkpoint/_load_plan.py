@@ -49,13 +49,24 @@ def _check_model(saved: dict, expected: dict, directory: str, strict: bool = Tru
             f"in the model) {listed(unexpected, {k: _shape(v) for k, v in saved.items()})}; load(..., strict=False) "
             "loads the keys both have, as torch's load_state_dict(strict=False) does"
         )
-    for k, shape in expected.items():
-        if _shape(saved[k]) != (None if shape is None else tuple(shape)):
-            raise CheckpointError(
-                f"fusedist.checkpoint: '{k}' has shape {_shown(_shape(saved[k]))} in {directory}, the model's "
-                f"is {_shown(shape)}"
-            )
+    reshaped = [k for k, shape in expected.items() if _shape(saved[k]) != (None if shape is None else tuple(shape))]
+    if reshaped:
+        raise CheckpointError(_reshaped_message(reshaped, saved, expected, directory))
     return saved
+
+
+SHOWN_SHAPE_MISMATCHES = 20
+
+
+def _reshaped_message(reshaped: list, saved: dict, expected: dict, directory: str) -> str:
+    """Every key whose shape differs, in the model's order, as torch's ``load_state_dict`` lists
+    every size mismatch: fixing one at a time would take a load per key."""
+    shown = [f"'{k}' has shape {_shown(_shape(saved[k]))} in the checkpoint, the model's is {_shown(expected[k])}"
+             for k in reshaped[:SHOWN_SHAPE_MISMATCHES]]
+    more = len(reshaped) - len(shown)
+    counted = "1 key has" if len(reshaped) == 1 else f"{len(reshaped)} keys have"
+    return (f"fusedist.checkpoint: {counted} another shape in {directory} than in the model: " + "; ".join(shown)
+            + (f"; and {more} more" if more else ""))
 
 
 def _unmatched(saved: dict, expected: dict, target) -> dict:
@@ -273,16 +284,9 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
     if crossed:  # Note [quantized storage across run kinds]
         meta = dict(meta, param_shapes=[list(stage3.full_shape(p, where)) if i in crossed else shape
                                          for i, (p, shape) in enumerate(zip(params, meta["param_shapes"]))])
-    if saved_names != names or [list(stage3.full_shape(p, where)) for p in params] != meta["param_shapes"]:
-        first = next((i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b), None)
-        detail = (f"parameter {first} is '{saved_names[first]}' in the checkpoint, '{names[first]}' here"
-                  if first is not None else f"{len(saved_names)} parameters saved, {len(names)} here "
-                  "(or shapes differ)")
-        if first is None and len(saved_names) > len(names):
-            detail += (f"; the checkpoint's optimizer also holds {saved_names[len(names):][:3]}: param groups it "
-                       "gained during training (add_param_group) must be added again before loading")
-        if first is None and len(saved_names) < len(names):
-            detail += f"; the optimizer here also holds {names[len(saved_names):][:3]}: {_names.ADDED_AFTER_LOAD}"
+    shapes = [list(stage3.full_shape(p, where)) for p in params]
+    if saved_names != names or shapes != meta["param_shapes"]:
+        detail = _optimizer_mismatch(saved_names, names, meta["param_shapes"], shapes)
         raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
     shards = sections("optimizer_shard") if meta["kind"] == "zero" else None
     saved_groups = (shards[0] if shards else common.get("optimizer") or {}).get("param_groups")
@@ -317,6 +321,30 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
     full = common["optimizer"] if order is None else _renumber_full(common["optimizer"], order)
     _check_no_state(full["state"], crossed, names, directory)
     return _prepare_full(full, directory, target, sharding, optimizer, params, source)
+
+
+def _optimizer_mismatch(saved_names: list, names: list, saved_shapes: list, shapes: list) -> str:
+    """What differs between the checkpoint's optimizer parameters and this optimizer's, saying
+    only what was found: the first other name, else the counts and every other shape."""
+    first = next((i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b), None)
+    if first is not None:
+        return f"parameter {first} is '{saved_names[first]}' in the checkpoint, '{names[first]}' here"
+    found = []
+    if len(saved_names) != len(names):
+        found.append(f"{len(saved_names)} parameters saved, {len(names)} here")
+    reshaped = [i for i, (a, b) in enumerate(zip(saved_shapes, shapes)) if list(a) != list(b)]
+    if reshaped:
+        shown = [f"parameter {i} '{names[i]}' has shape {tuple(saved_shapes[i])} in the checkpoint, {tuple(shapes[i])} "
+                 "here" for i in reshaped[:SHOWN_SHAPE_MISMATCHES]]
+        more = len(reshaped) - len(shown)
+        found.append("; ".join(shown) + (f"; and {more} more" if more else ""))
+    detail = "; ".join(found)
+    if len(saved_names) > len(names):
+        detail += (f"; the checkpoint's optimizer also holds {saved_names[len(names):][:3]}: param groups it "
+                   "gained during training (add_param_group) must be added again before loading")
+    if len(saved_names) < len(names):
+        detail += f"; the optimizer here also holds {names[len(saved_names):][:3]}: {_names.ADDED_AFTER_LOAD}"
+    return detail
 
 
 def _packed_positions(saved_shapes: list, params: list, where: dict) -> set:

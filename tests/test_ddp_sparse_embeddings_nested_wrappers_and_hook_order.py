@@ -316,7 +316,8 @@ def _assigned_in_compiled(rank, world):
     cases = {("parameter", True): ("fc.weight", lambda m: nn.Parameter(torch.ones(2, 4))),  # trained silently
              ("parameter", False): ("fc.weight", lambda m: nn.Parameter(torch.ones(2, 4))),  # "a submodule deleted"
              ("other names", False): (".fc", lambda m: nn.Sequential(nn.Linear(4, 2))),
-             ("identity", True): (".fc", lambda m: nn.Identity())}
+             ("identity", True): (".fc", lambda m: nn.Identity()),
+             ("set to None", False): ("fc.bias", lambda m: None)}  # (no registration hook runs, eager or traced)
     for (case, find_unused), (path, make) in cases.items():
         ddp = fusedist.DistributedDataParallel(module_changes.Net(), find_unused_parameters=find_unused)
         torch.manual_seed(100 + rank)
@@ -332,6 +333,10 @@ def _assigned_in_compiled(rank, world):
 def test_assignment_inside_a_compiled_function_is_refused_naming_it(launched):
     for rank, out in enumerate(results_of(launched, "assigned while compiled")):
         assert out.pop("torch spread") > 0  # torch's DDP trains the new Parameter unsynchronized, silently
+        none = out.pop(("set to None", False))
+        assert isinstance(none, str) and f"(rank {rank}): 1 parameter(s) of the model as it was wrapped were set to " \
+            "None after wrapping, which runs no registration hook (module.fc.bias = None, eagerly or inside a " \
+            "torch.compile'd function): ['fc.bias']" in none and "deleted" not in none, none
         for (case, find_unused), text in out.items():
             assert isinstance(text, str), (case, find_unused, "trained on")
             assert f"(rank {rank}): parameters of the wrapped module were assigned after it was wrapped, inside a " \

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 
 import pytest
 import torch
@@ -40,19 +41,28 @@ def _moments(optimizer, model):
 def _then_ddp(side, zero_stage, keep_first):
     """Train with ``side``; read the kept optimizer's moments; then, with no teardown, train the same
     model and optimizer in a Fabric with ``strategy="ddp"`` (the first Fabric still referenced, or
-    dropped and collected): the moments, the weights, the moments."""
+    dropped and collected): the moments, the weights, the moments; and (first Fabric kept, fusedist)
+    what a forward through the first Fabric's retired wrapper raises."""
     fabric = _fabric(side, zero_stage)
     model, optimizer = _model_and_optimizer()
-    _train(fabric, *fabric.setup(model, optimizer), range(3))
+    wrapped, returned = fabric.setup(model, optimizer)
+    _train(fabric, wrapped, returned, range(3))
     first = _moments(optimizer, model)
     kept = fabric if keep_first else None
-    del fabric
+    del fabric, returned
     if not keep_first:
+        del wrapped
         gc.collect()  # (a collection takes the unreferenced wrappers that cycles keep till then)
     second = _fabric("ddp")
     _train(second, *second.setup(model, optimizer), range(3, 6), clip=0.05)
+    refusal = None
+    if keep_first and side != "ddp":
+        try:
+            wrapped(torch.randn(2, 8))
+        except RuntimeError as error:
+            refusal = str(error)
     del kept
-    return first, _flat(model), _moments(optimizer, model)
+    return first, _flat(model), _moments(optimizer, model), refusal
 
 
 def _second_fabric_worker(rank, world):
@@ -66,7 +76,8 @@ def _second_fabric_worker(rank, world):
         except RuntimeError as error:  # (the refusal this test exists for)
             out[name] = str(error)[:300]
             continue
-        out[name] = [a if isinstance(a, str) else (a - b).abs().max().item() for a, b in zip(ours, ref)]
+        out[name] = [a if isinstance(a, str) else (a - b).abs().max().item() for a, b in zip(ours[:3], ref)]
+        out[name].append(ours[3])
     return out
 
 
@@ -80,10 +91,16 @@ def test_fabric_strategy_a_ddp_fabric_after_it_trains_without_teardown(launched)
     for rank, diffs in enumerate(results_of(launched, "second Fabric")):
         for name, result in diffs.items():
             assert not isinstance(result, str), f"{name}, rank {rank}: the 'ddp' Fabric failed: {result}"
-            _, weights, moments = result
+            _, weights, moments, refusal = result
             assert weights <= TOL, f"{name}, rank {rank}: weights differ from Fabric's DDP by {weights}"
             assert not isinstance(moments, str) and moments <= TOL, \
                 f"{name}, rank {rank}: the optimizer's moments differ by {moments}"
+            if "kept" in name:  # a forward through the retired wrapper names what retired it, not a teardown
+                assert refusal is not None, f"{name}, rank {rank}: a forward through the retired wrapper ran"
+                assert re.search(rf"rank {rank}\): this wrapper was retired when torch's DistributedDataParallel "
+                                 r"wrapped its module \(of type Sequential.* Train through torch's wrapper", refusal), \
+                    refusal
+                assert "torn down" not in refusal, refusal
 
 
 def test_fabric_strategy_kept_optimizer_state_reads_the_moments_by_parameter(launched):

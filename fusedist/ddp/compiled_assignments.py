@@ -21,6 +21,12 @@ Note [assignments inside a compiled function]
     the list non-empty (one truthiness test per forward otherwise) and hands each entry to the
     registration hooks as if they had run: the refusal names the Parameters replaced, added or
     removed, and says they were assigned inside a compiled function.
+
+    A Parameter set to None (``module.fc.bias = None``) runs no registration hook at all, eager or
+    traced (torch registers a None without calling them), so nothing is noted: as after a submodule
+    deleted (Note [submodules removed] in trainable.py), with ``find_unused_parameters`` it is an
+    unused parameter reduced as zeros, which changes no result (torch's DDP trains on alike), and
+    without it the error of its missing gradient names it as set to None (``unused.set_to_none``).
 """
 
 from __future__ import annotations

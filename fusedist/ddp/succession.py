@@ -47,7 +47,8 @@ def take_over(older: list, newer) -> None:
             _refuse_stage2(old, newer)
 
 
-def _same_ranks(a, b) -> bool:
+def same_ranks(a, b) -> bool:
+    """Whether process groups ``a`` and ``b`` span the same ranks (two wrappers' averages agree)."""
     import torch.distributed as dist
 
     if a is b:
@@ -58,7 +59,7 @@ def _same_ranks(a, b) -> bool:
         return False
 
 
-def _followers(reducer) -> list:
+def followers_of(reducer) -> list:
     """The layout listeners of ``reducer`` that are not its wrapper's own check."""
     own = [f for f in reducer.layout_listeners if getattr(getattr(f, "__self__", None), "reducer", None) is reducer]
     return [f for f in reducer.layout_listeners if f not in own]
@@ -67,7 +68,7 @@ def _followers(reducer) -> list:
 def _can_follow(old, newer) -> bool:
     """Whether ``newer`` can take ``old``'s buckets as they are: the same parameters (objects,
     dtypes, devices) reduced over the same ranks."""
-    if _stage2_consumer(old) is None and not _followers(old.reducer):
+    if stage2_consumer(old) is None and not followers_of(old.reducer):
         return False  # nothing follows its buckets
     if newer.reducer.in_backward or old.reducer.in_backward:
         return False
@@ -78,7 +79,7 @@ def _can_follow(old, newer) -> bool:
         return False
     if any(b.params and (b.params[0].dtype != b.dtype) for b in old.reducer.layout.buckets):
         return False  # converted since: the old buckets do not fit the parameters
-    return _same_ranks(old.process_group, newer.process_group) and old.device == newer.device
+    return same_ranks(old.process_group, newer.process_group) and old.device == newer.device
 
 
 def _follow(old, newer) -> None:
@@ -88,7 +89,7 @@ def _follow(old, newer) -> None:
     strategy = old.reducer.strategy
     newer.reducer.adopt_layout(layout_of(buckets, newer.device, bucket_storage=old.reducer.layout.bucket_storage),
                                fixed=old.reducer.append_only)
-    followers = _followers(old.reducer)
+    followers = followers_of(old.reducer)
     old.reducer.layout_listeners[:] = [f for f in old.reducer.layout_listeners if f not in followers]
     newer.reducer.layout_listeners.extend(followers)
     newer._param_waiters.extend(old._param_waiters)
@@ -96,14 +97,14 @@ def _follow(old, newer) -> None:
     for consumer in _consumers(followers, strategy):
         if getattr(consumer, "ddp", None) is old:
             consumer.ddp = newer  # (what the optimizer asks about its model from now on)
-    if _stage2_consumer(old) is not None:  # (a communication hook stays with the wrapper it was registered on)
+    if stage2_consumer(old) is not None:  # (a communication hook stays with the wrapper it was registered on)
         old.reducer.release_strategy(strategy)
         newer.reducer.use_strategy(strategy)
         if all(p.grad is None for p in newer.reducer.params):  # (else a no_sync backward's: the step refuses)
             newer.reducer.release_gradients()  # the consumer keeps them (stage 2: p.grad is None)
 
 
-def _stage2_consumer(ddp):
+def stage2_consumer(ddp):
     """The optimizer ``ddp``'s backward reduce-scatters into (ZeRO stage 2), or None."""
     strategy = ddp.reducer.strategy
     return None if isinstance(strategy, AllReduceAverage) else getattr(strategy, "zero", None)
@@ -134,7 +135,7 @@ def release_holder(ddp, holder) -> None:
 
 def _refuse_stage2(old, newer) -> None:
     """A stage-2 consumer of ``old`` that cannot follow refuses its next step."""
-    zero = _stage2_consumer(old)
+    zero = stage2_consumer(old)
     if zero is None:
         return
     # its shards no longer hold these gradients: a clip measures p.grad, the newer wrapper's average

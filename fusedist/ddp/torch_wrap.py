@@ -57,7 +57,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from .. import ownership
 from .._process_hooks import install_module_registration_hook
-from .succession import _followers, _same_ranks, _stage2_consumer
+from .succession import followers_of, same_ranks, stage2_consumer
 
 __all__ = ["listen", "quiet_torch_wrappers_inside", "retire_with"]
 
@@ -83,8 +83,9 @@ class _Retirement:
 
 
 def retire_with(ddp, retire) -> _Retirement:
-    """Retire ``ddp`` by ``retire(ddp)`` instead, when torch's DDP takes its module (a framework
-    that swapped optimizers in retires them too); the handle's ``remove()`` undoes it."""
+    """Retire ``ddp`` by ``retire(ddp, module)`` instead, when torch's DDP takes ``module`` (its module
+    or one that holds it; a framework that swapped optimizers in retires them too); the handle's
+    ``remove()`` undoes it."""
     listen()
     _retirements[ddp] = retire
     return _Retirement(ddp)
@@ -114,17 +115,17 @@ def _torch_takes(torch_ddp, module) -> None:
     for ddp in owners.values():
         if (not isinstance(ddp, DistributedDataParallel) or ddp._superseded_by is not None or ddp._nested
                 or isinstance(ddp.module, ReplicatedModule) or group is None
-                or not _same_ranks(ddp.process_group, group)):
+                or not same_ranks(ddp.process_group, group)):
             continue
         if id(ddp) not in inside and not all(id(p) in held for p in ddp.reducer.params):
             continue  # (torch's wrapper takes some of its parameters: the step refuses, naming it)
         custom = _retirements.pop(ddp, None)
-        if custom is None and (_stage2_consumer(ddp) is not None or _followers(ddp.reducer)):
+        if custom is None and (stage2_consumer(ddp) is not None or followers_of(ddp.reducer)):
             continue  # (a sharded optimizer follows its buckets: the step refuses, naming torch's wrapper)
         if id(ddp) in inside:
             _pass_through(ddp)
         if custom is not None:
-            custom(ddp)  # (a framework's: its swapped-in optimizers too)
+            custom(ddp, module)  # (a framework's: its swapped-in optimizers too)
         elif id(ddp) not in inside:
             _retire(ddp, module)
 
@@ -157,7 +158,7 @@ def quiet_torch_wrappers_inside(module, process_group, rank: int) -> None:
         if not isinstance(inner, TorchDDP):
             continue
         why = None
-        if not _same_ranks(inner.process_group, process_group):
+        if not same_ranks(inner.process_group, process_group):
             why = "over other ranks than this wrapper's (the average of the two would be over both groups)"
         elif getattr(inner, "_comm_hooks", None) or getattr(inner, "_use_python_reducer", False):
             why = "with a communication hook registered (or the python reducer), which this wrapper would not apply"

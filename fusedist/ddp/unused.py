@@ -265,12 +265,42 @@ def removed_from_module(reducer: "Reducer", params: list) -> "RuntimeError | Non
     gone = reducer.tracker.not_in_module(params) if reducer.tracker is not None else []
     if not gone:
         return None
+    emptied = set_to_none(reducer.tracker, gone)
+    how = []
+    if emptied:
+        how.append("were set to None after wrapping, which runs no registration hook (module.fc.bias = None, "
+                   f"eagerly or inside a torch.compile'd function): {_listed(emptied)}")
+    deleted = [n for n in gone if n not in emptied]
+    if deleted:
+        how.append(f"are no longer in the module: {_listed(deleted)} (a submodule deleted after wrapping, e.g. "
+                   "del model.module.fc)")
     return RuntimeError(
-        f"fusedist DDP (rank {reducer.comm.rank}): {len(gone)} parameter(s) of the model as it was "
-        f"wrapped are no longer in the module: {gone[:10]}{' ...' if len(gone) > 10 else ''} (a submodule "
-        "deleted after wrapping, e.g. del model.module.fc). The wrapper still reduces the Parameters it "
-        "was built with, so they received no gradient. Change the module before wrapping it, or wrap it "
-        "again after the change")
+        f"fusedist DDP (rank {reducer.comm.rank}): {len(gone)} parameter(s) of the model as it was wrapped "
+        f"{'; '.join(how)}. The wrapper still reduces the Parameters it was built with, so they received no "
+        "gradient. Change the module before wrapping it, or wrap it again after the change")
+
+
+def _listed(names: list) -> str:
+    return f"{names[:10]}{' ...' if len(names) > 10 else ''}"
+
+
+def set_to_none(tracker, names: list) -> list:
+    """Those of ``names`` whose slot in the wrapped module holds None now (``module.fc.bias = None``):
+    torch registers a None Parameter without calling the registration hooks, so only the error
+    path can tell it from a deleted submodule."""
+    owner = tracker.owner()
+    if owner is None:
+        return []
+    emptied = []
+    for name in names:
+        path, _, leaf = name.rpartition(".")
+        try:
+            holder = owner.module.get_submodule(path)
+        except AttributeError:
+            continue
+        if leaf in holder._parameters and holder._parameters[leaf] is None:
+            emptied.append(name)
+    return emptied
 
 
 def unused_without_find_unused(reducer: "Reducer", unused: list) -> RuntimeError:

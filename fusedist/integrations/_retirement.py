@@ -11,22 +11,25 @@ from ._optimizer_swap import retire_successor, successors_over
 __all__ = ["retire", "retire_when_torch_wraps"]
 
 
-def retire(ddp, optimizers) -> None:
+_TORN_DOWN = ("its strategy was torn down (strategy.teardown(), or the end of trainer.fit): it no longer "
+              "synchronizes its module's gradients, so the ranks would diverge. Set the module up again "
+              "(fabric.setup(model, optimizer)) to train it data-parallel, or train the unwrapped module")
+
+
+def retire(ddp, optimizers, cause: str = _TORN_DOWN) -> None:
     """``ddp`` and ``optimizers`` (swapped-in optimizers, or wrappers of them with an
     ``_optimizer``) stop acting on the module's parameters; a kept optimizer takes its state
     back at its next use (Note [a kept optimizer after its sharded successor retires] in
-    ``_optimizer_swap.py``)."""
+    ``_optimizer_swap.py``). ``cause`` (what retired it, and what to do) completes the text a
+    forward through it raises."""
     from fusedist import ownership
 
     inner = [getattr(o, "_optimizer", o) for o in optimizers]
     watch = ddp.__dict__.pop("_fusedist_torch_wrap_hook", None)
     if watch is not None:  # (Note [a torch DDP over a module set up before])
         watch.remove()
-    ddp._retire(  # Note [a forward through a retired wrapper]
-        f"fusedist.DistributedDataParallel (rank {ddp.rank}): this wrapper was retired when its strategy was "
-        "torn down (strategy.teardown(), or the end of trainer.fit): it no longer synchronizes its module's "
-        "gradients, so the ranks would diverge. Set the module up again (fabric.setup(model, optimizer)) to "
-        "train it data-parallel, or train the unwrapped module")
+    # Note [a forward through a retired wrapper]
+    ddp._retire(f"fusedist.DistributedDataParallel (rank {ddp.rank}): this wrapper was retired when {cause}")
     ownership.release(ddp.module.parameters(), [ddp, ddp.watch, *inner])
     for optimizer in inner:
         retire_successor(optimizer)
@@ -48,8 +51,12 @@ def retire_when_torch_wraps(ddp) -> None:
     ddp._fusedist_torch_wrap_hook = retire_with(ddp, _retire_for_torch)
 
 
-def _retire_for_torch(ddp) -> None:
-    retire(ddp, successors_over(ddp.module.parameters()))  # (those of another module train on)
+def _retire_for_torch(ddp, module) -> None:
+    cause = (f"torch's DistributedDataParallel wrapped its module (of type {type(module).__name__}; a Fabric "
+             "with strategy=\"ddp\" set it up again, or the program wrapped it) and synchronizes its gradients "
+             "now. Train through torch's wrapper, or set the module up again (fabric.setup(model, optimizer)) "
+             "to train it with fusedist")
+    retire(ddp, successors_over(ddp.module.parameters()), cause)  # (those of another module train on)
 
 
 # Note [a torch DDP over a module set up before]

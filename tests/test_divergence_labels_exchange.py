@@ -397,3 +397,69 @@ def test_a_wait_cycle_needs_every_edge_to_be_a_collective_the_peer_has_not_launc
     # A record kept after its rank's verdict closes only the cycle that verdict named: the rank has gone on.
     assert find(_Store([a0, dict(b1, gave_up=waits)]), a0) is not None
     assert find(_Store([dict(a0, seq=9), dict(b1, gave_up=waits)]), dict(a0, seq=9)) is None
+
+
+class _KeyValueStore:
+    """The store calls the probe and its peers make, over a dict."""
+
+    def __init__(self):
+        self.keys = {}
+
+    def set(self, key, value):
+        self.keys[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.keys[key]
+
+    def check(self, keys):
+        return all(k in self.keys for k in keys)
+
+    def delete_key(self, key):
+        self.keys.pop(key, None)
+
+
+class _GroupRank:
+    """What the probe and a failed rank's publication read of a rank's monitor: one rank of a 3-rank group."""
+
+    group_name, generation, check_announced = "world", 0, False
+
+    def __init__(self, store, rank):
+        import datetime
+        import types
+
+        self.store, self.reports, self.history = store, [], []
+        self.comm = types.SimpleNamespace(rank=rank, world_size=3, last_seq=6, timeout=datetime.timedelta(seconds=20))
+
+    def context(self):
+        return {}
+
+
+def test_a_peer_that_failed_elsewhere_is_named_at_the_first_read_past_the_delay(monkeypatch):
+    """Note [a peer that failed elsewhere, in the divergence probe]: rank 1 failed outside the group and waits
+    to tell it, rank 2 computes still (no entry). The probe waited for every rank to be stuck, then told "their
+    programs diverged"; now it names rank 1 and its message at once -- only in a collective rank 1 had not launched,
+    and only while rank 1's entry is there."""
+    import weakref
+
+    from fusedist.reliability import failed_elsewhere
+    from fusedist.reliability import monitor as monitor_module
+    from fusedist.reliability.divergence import WaitProbe
+
+    store = _KeyValueStore()
+    failed = _GroupRank(store, 1)
+    monkeypatch.setattr(monitor_module, "_monitors", weakref.WeakSet([failed]))
+    written = failed_elsewhere.publish("stage 1 failed at micro-batch 2's loss: ValueError: refused")
+    assert written == [failed], written
+    probe = WaitProbe(_GroupRank(store, 0), "all_reduce", "ddp bucket 0", 7, delay_s=0.3)
+    verdict = probe.check()
+    assert verdict is not None and verdict.startswith(
+        "rank 1 failed elsewhere: stage 1 failed at micro-batch 2's loss: ValueError: refused. "), verdict
+    assert "programs diverged" not in verdict and "(20 s, FUSEDIST_TIMEOUT_S)" in verdict, verdict
+    probe.close()
+    launched = WaitProbe(_GroupRank(store, 0), "all_reduce", "ddp bucket 0", 6, delay_s=0.3)
+    assert launched.check() is None  # (rank 1 launched #6 before it failed: it may still complete)
+    launched.close()
+    failed_elsewhere.withdraw(written)  # (told: a later wait is probed as before)
+    later = WaitProbe(_GroupRank(store, 0), "all_reduce", "ddp bucket 1", 8, delay_s=0.3)
+    assert later.check() is None
+    later.close()

@@ -1058,13 +1058,26 @@ def _dp_peer_failure_worker(rank, world_size, seed):
         if rank == 2:
             y[4:6] = 777  # micro-batch 2's rows
         torch.distributed.barrier()
-        began, raised = time.monotonic(), None
+        began, raised, collective = time.monotonic(), None, None
         try:
             schedule.step(x) if pp.get_local_rank() == 0 else schedule.step(target=y)
         except RuntimeError as e:
-            raised = str(e)
-        out[wrap] = (time.monotonic() - began, raised, _failure_entries_left())
+            raised, collective = str(e), _collective_error_in_chain(e)
+        out[wrap] = (time.monotonic() - began, raised, _failure_entries_left(), collective)
     return out
+
+
+def _collective_error_in_chain(error):
+    """The text of the fusedist collective's error that ``error`` was raised from, else None."""
+    from fusedist.comm import CollectiveError
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, CollectiveError):
+            return str(error)
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _failure_entries_left():
@@ -1088,13 +1101,18 @@ def test_a_failure_in_one_pipeline_fails_every_data_parallel_pipeline_promptly(l
     issues, and every rank in a cycle behind it, until the collective timeout (20 s here); now every rank
     raises the failure's own message (stage, ranks, micro-batch, exception) shortly after the divergence
     probe's delay (0.5 s here), and no entry of it is left in the store."""
+    told = ("stage 1 (rank 1 of the pipeline's group, global rank 2) failed at micro-batch 2's loss: ValueError: "
+            "the target of micro-batch 2 is refused")
     for rank, out in enumerate(results_of(launched4, "dp peer failure")):
-        for wrap, (seconds, raised, left) in out.items():
-            assert raised is not None and ("stage 1 (rank 1 of the pipeline's group, global rank 2) failed at "
-                                           "micro-batch 2's loss: ValueError: the target of micro-batch 2 is "
-                                           "refused") in raised, (rank, wrap, raised)
+        for wrap, (seconds, raised, left, collective) in out.items():
+            assert raised is not None and told in raised, (rank, wrap, raised)
             assert seconds < 6, (rank, wrap, seconds, raised)
             assert left == [], (rank, wrap, left)  # withdrawn once told: a later wait is probed as before
+            if rank == 3:  # (the failed rank's data-parallel peer: its reduction's wait ended by the probe)
+                # Note [a peer that failed elsewhere, in the divergence probe]: the peer's failure, not "diverged"
+                verdict = (collective or "").split("\nStall report", 1)[0]
+                assert "cannot complete on rank 1 of 2 (global rank 3): rank 0 (global rank 2) failed elsewhere: " \
+                    in verdict and told in verdict and "programs diverged" not in verdict, (wrap, collective)
 
 
 def _no_sync_worker(rank, world_size, seed):

@@ -59,6 +59,19 @@ apart (gloo's own barrier has slots of its own), the two never pair, and the pro
 blocked in collectives of different groups, waiting for each other, are found from records across groups
 (Note [waits across groups in the divergence probe] in wait_cycle.py).
 
+Note [a peer that failed elsewhere, in the divergence probe]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A peer that failed outside the group's collectives (a pipeline stage's loss) publishes a failure entry
+carrying its message (``failed_elsewhere``: Note [a failure outside the group's collectives] in
+failed_elsewhere.py) while it waits to tell it, and never issues the collective this rank waits in. The
+probe read it as one more rank stuck in a collective that cannot pair, waited for every rank to be stuck,
+and told "their programs diverged" -- advice that sends the user after a skipped backward that never was.
+Such an entry is now a verdict of its own, given at the first read past the delay (the entry is
+withdrawn only once the failure has been told, so it cannot be a passing one): "rank N failed elsewhere:
+<its message>", the peer named by its rank in the group and its global rank -- for a wait in a collective
+the peer had not launched when it failed (its entry names the first such); one it had launched may still
+complete, and is probed as before.
+
 The wait is sliced in fusedist/comm/sliced_wait.py. Costs: none for a wait that ends before the
 delay (one comparison; a DDP step measured the same with the probe on and off); past it, a store
 write and a read per peer every ``PROBE_EVERY_S``, and the entry is withdrawn when the wait ends.
@@ -81,6 +94,7 @@ import json
 import time
 from typing import Optional
 
+from ..comm.group_ranks import global_ranks
 from . import stall_report, wait_cycle
 
 #: Seconds between two reads of the other ranks' entries while a wait goes on.
@@ -144,8 +158,15 @@ class WaitProbe:
             self._blocked = wait_cycle.record(monitor, self.waiting_on)
             if self._blocked is not None and not wait_cycle.publish(monitor.store, self._blocked):
                 self._blocked = None
-        others = _peek(monitor.store, monitor.group_name, monitor.generation,
-                       [r for r in range(comm.world_size) if r != comm.rank])
+        read = _read(monitor.store, monitor.group_name, monitor.generation,
+                     [r for r in range(comm.world_size) if r != comm.rank])
+        told = _failed_elsewhere(read, comm, self.waiting_on["seq"])
+        if told is not None:  # Note [a peer that failed elsewhere, in the divergence probe]
+            self._gave_verdict = True
+            return (f"{told}. It waits in no collective of this group, so this one can never complete; found by the "
+                    "divergence probe (FUSEDIST_DIVERGENCE_PROBE_S) instead of waiting out the collective timeout "
+                    f"({comm.timeout.total_seconds():g} s, FUSEDIST_TIMEOUT_S)")
+        others = _stuck(read)
         found = None if others is None else diverged({comm.rank: self._mine, **others})
         if found is not None:
             evidence = tuple((r, e.get("kind"), e.get("time"), json.dumps(e.get("waiting_on"), sort_keys=True))
@@ -186,22 +207,40 @@ class WaitProbe:
                 wait_cycle.withdraw(monitor.store, self._blocked["rank"])
 
 
-def _peek(store, group: str, generation: int, ranks: list) -> Optional[dict]:
-    """The entries of ``ranks`` if every one of them is stuck in a collective, else None; one
-    store call per rank, none of which waits for a key (the store's timeout is left alone)."""
+def _read(store, group: str, generation: int, ranks: list) -> Optional[dict]:
+    """The entries of ``ranks`` (None for a rank without one), or None where the store could not be read; one
+    store call or two per rank, none of which waits for a key (the store's timeout is left alone)."""
     found = {}
     try:
         for rank in ranks:
             key = stall_report._key(group, generation, rank)
-            if not store.check([key]):
-                return None
-            entry = json.loads(store.get(key).decode())
-            if entry.get("kind") not in _STUCK or "seq" not in (entry.get("waiting_on") or {}):
-                return None  # (a check's entry without its collective: not blocked for the delay yet)
-            found[rank] = entry
+            found[rank] = json.loads(store.get(key).decode()) if store.check([key]) else None
     except Exception:  # noqa: BLE001 - a probe never fails a wait because the store is odd
         return None
     return found
+
+
+def _stuck(entries: Optional[dict]) -> Optional[dict]:
+    """``entries`` if every one of them says its rank is stuck in a collective, else None."""
+    if entries is None:
+        return None
+    for entry in entries.values():
+        if entry is None or entry.get("kind") not in _STUCK or "seq" not in (entry.get("waiting_on") or {}):
+            return None  # (no entry, or a check's entry without its collective: not blocked for the delay yet)
+    return entries
+
+
+def _failed_elsewhere(entries: Optional[dict], comm, seq: int) -> Optional[str]:
+    """Which peer of ``entries`` failed outside the group's collectives before launching collective ``seq``, and
+    its message (Note [a peer that failed elsewhere, in the divergence probe]); None where none did."""
+    for rank, entry in sorted((entries or {}).items()):
+        entry = entry or {}
+        message = entry.get("failed_elsewhere") if entry.get("kind") == "failure" else None
+        if message and seq >= (entry.get("waiting_on") or {}).get("seq", seq):
+            ranks = global_ranks(comm)
+            where = f" (global rank {ranks[rank]})" if ranks is not None and rank < len(ranks) else ""
+            return f"rank {rank}{where} failed elsewhere: {message}"
+    return None
 
 
 def diverged(entries: dict) -> Optional[str]:

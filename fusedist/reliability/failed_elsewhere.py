@@ -9,12 +9,12 @@ stay open, so nothing on the wire ends their wait before the collective timeout,
 exchange in turn waits on them. While such a rank waits to tell its failure, it publishes a ``failure``
 entry in each of its monitored groups (the store key the divergence probe reads, Note [divergence probe] in
 divergence.py), saying it waits in no collective of the group, with the failure's message. A peer whose
-wait has blocked past ``FUSEDIST_DIVERGENCE_PROBE_S`` then reads every rank of its group as stuck in
-collectives that cannot pair and fails its wait (about a second past the delay), and whoever handles that
-error can read which peer failed and why (:func:`failure_told`) and raise that. The entry is withdrawn once
-the rank's failure has been told, so a group used again later is probed as before. A rank whose group
-already holds its entry of a real collective failure keeps that one (Note [one entry per rank] in
-monitor.py). Costs nothing until a failure; store calls only then.
+wait has blocked past ``FUSEDIST_DIVERGENCE_PROBE_S`` then reads that entry and fails its wait at once, its
+error saying which rank failed elsewhere and why (Note [a peer that failed elsewhere, in the divergence probe]
+in divergence.py), and whoever handles that error can read the message (:func:`failure_told`) and raise
+that. The entry is withdrawn once the rank's failure has been told, so a group used again later is probed
+as before. A rank whose group already holds its entry of a real collective failure keeps that one (Note
+[one entry per rank] in monitor.py). Costs nothing until a failure; store calls only then.
 """
 
 from __future__ import annotations

@@ -1110,9 +1110,12 @@ def test_a_failure_in_one_pipeline_fails_every_data_parallel_pipeline_promptly(l
             assert left == [], (rank, wrap, left)  # withdrawn once told: a later wait is probed as before
             if rank == 3:  # (the failed rank's data-parallel peer: its reduction's wait ended by the probe)
                 # Note [a peer that failed elsewhere, in the divergence probe]: the peer's failure, not "diverged"
-                verdict = (collective or "").split("\nStall report", 1)[0]
+                verdict, _, report = (collective or "").partition("\nStall report")
                 assert "cannot complete on rank 1 of 2 (global rank 3): rank 0 (global rank 2) failed elsewhere: " \
                     in verdict and told in verdict and "programs diverged" not in verdict, (wrap, collective)
+                # the report lists the failed peer as failed, not as a rank at a collective or one behind
+                assert "FAILED outside this group's collectives" in report and "programs diverged" not in report \
+                    and "behind" not in report, (wrap, collective)
 
 
 def _no_sync_worker(rank, world_size, seed):

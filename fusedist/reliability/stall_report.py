@@ -285,6 +285,10 @@ def render(entries: dict[int, dict], world_size: int, window_s: float, reporter:
             lines.append(f"  rank {rank}{where}: waits in {op} (blocked past the divergence probe's delay; no failure "
                          f"of its own yet){pos}; {_history(entry)}")
             continue
+        if entry.get("failed_elsewhere"):  # Note [a failure outside the group's collectives] (failed_elsewhere.py)
+            lines.append(f"  rank {rank}{where}: FAILED outside this group's collectives and waits in none of them"
+                         f"{pos}: {entry['failed_elsewhere']}; {_history(entry)}")
+            continue
         if entry.get("kind") == "crash":
             error = str(entry.get("error"))
             where_from = ("a fusedist collective of another group failed" if error.startswith(_COLLECTIVE_ERRORS)
@@ -337,8 +341,8 @@ def behind(entries: dict[int, dict], named: Optional[list] = None) -> list[str]:
     Empty when they agree or fewer than two ranks said."""
     rows = {}
     for rank, entry in entries.items():
-        if entry.get("kind") == "crash":
-            continue  # (where a rank died says nothing of what it skipped)
+        if entry.get("kind") == "crash" or entry.get("failed_elsewhere"):
+            continue  # (where a rank died or failed elsewhere says nothing of what it skipped)
         try:
             rows[rank] = [count(entry.get("context") or {}) for _, count in _COUNTERS]
         except (KeyError, StopIteration, TypeError, ValueError):

@@ -140,6 +140,13 @@ def step_watch(p) -> Optional[object]:
     return _lookup(_step_watch, p)
 
 
+def watch_of(p) -> tuple:
+    """(the DDP wrapper reducing ``p`` or None, the reliability observer whose checks count what is
+    done to ``p``: that wrapper's, else the :func:`step_watch`; None: none)."""
+    ddp = data_parallel_owner(p)
+    return (ddp, ddp.watch) if ddp is not None else (None, step_watch(p))
+
+
 def release(params: Iterable, owners: Iterable) -> None:
     """Drop the registrations of ``params`` that name one of ``owners``: a wrapper (and its
     optimizers) retired while the parameters live on, so that torch's optimizers and clips

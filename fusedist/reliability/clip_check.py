@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ..ownership import data_parallel_owner, step_watch
+from ..ownership import watch_of
 
 __all__ = ["EXPLAIN", "count_clip"]
 
@@ -45,8 +45,7 @@ def count_clip(params: list, max_norm) -> None:
         return
     for p in params:
         if isinstance(p, torch.Tensor) and p.requires_grad:
-            owner = data_parallel_owner(p)
-            watch = getattr(owner, "watch", None) if owner is not None else step_watch(p)
+            watch = watch_of(p)[1]
             if hasattr(watch, "clips"):  # (a replicated module's watch before its first forward counts nothing)
                 watch.clips += 1
             return

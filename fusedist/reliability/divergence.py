@@ -158,8 +158,8 @@ class WaitProbe:
             self._blocked = wait_cycle.record(monitor, self.waiting_on)
             if self._blocked is not None and not wait_cycle.publish(monitor.store, self._blocked):
                 self._blocked = None
-        read = _read(monitor.store, monitor.group_name, monitor.generation,
-                     [r for r in range(comm.world_size) if r != comm.rank])
+        read = stall_report.read_entries(monitor.store, monitor.group_name, monitor.generation,
+                                         [r for r in range(comm.world_size) if r != comm.rank])
         told = _failed_elsewhere(read, comm, self.waiting_on["seq"])
         if told is not None:  # Note [a peer that failed elsewhere, in the divergence probe]
             self._gave_verdict = True
@@ -205,19 +205,6 @@ class WaitProbe:
                 wait_cycle.keep(monitor.store, self._blocked, self._cycle)
             else:
                 wait_cycle.withdraw(monitor.store, self._blocked["rank"])
-
-
-def _read(store, group: str, generation: int, ranks: list) -> Optional[dict]:
-    """The entries of ``ranks`` (None for a rank without one), or None where the store could not be read; one
-    store call or two per rank, none of which waits for a key (the store's timeout is left alone)."""
-    found = {}
-    try:
-        for rank in ranks:
-            key = stall_report._key(group, generation, rank)
-            found[rank] = json.loads(store.get(key).decode()) if store.check([key]) else None
-    except Exception:  # noqa: BLE001 - a probe never fails a wait because the store is odd
-        return None
-    return found
 
 
 def _stuck(entries: Optional[dict]) -> Optional[dict]:

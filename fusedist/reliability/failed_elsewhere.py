@@ -19,7 +19,6 @@ as before. A rank whose group already holds its entry of a real collective failu
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 from . import monitor as _monitor
@@ -68,16 +67,10 @@ def failure_told(error: BaseException) -> Optional[str]:
     for monitor in list(_monitor._monitors):
         if monitor.store is None:
             continue
-        for rank in range(monitor.comm.world_size):
-            if rank == monitor.comm.rank:
-                continue
-            key = stall_report._key(monitor.group_name, monitor.generation, rank)
-            try:
-                if not monitor.store.check([key]):
-                    continue
-                told = json.loads(monitor.store.get(key).decode()).get("failed_elsewhere")
-            except Exception:  # noqa: BLE001 - an unreadable entry tells nothing
-                continue
+        peers = [rank for rank in range(monitor.comm.world_size) if rank != monitor.comm.rank]
+        entries = stall_report.read_entries(monitor.store, monitor.group_name, monitor.generation, peers) or {}
+        for entry in entries.values():
+            told = (entry or {}).get("failed_elsewhere")
             if told:
                 return told
     return None

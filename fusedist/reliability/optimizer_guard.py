@@ -32,7 +32,7 @@ import weakref
 import torch
 
 from .._process_hooks import install_optimizer_step_hooks
-from ..ownership import data_parallel_owner, step_watch
+from ..ownership import watch_of
 
 _lock = threading.Lock()
 # optimizer -> (parameter count, weak references to the owning DDP wrappers, first unowned
@@ -41,11 +41,6 @@ _lock = threading.Lock()
 # own key keeps the entry alive forever, and a DDP wrapper reaches a ZeroRedundancyOptimizer
 # (through its module's hooks). Positions, not parameters: a parameter's hooks may reach it too.
 _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _watch_of(p):
-    ddp = data_parallel_owner(p)
-    return (ddp, ddp.watch) if ddp is not None else (None, step_watch(p))
 
 
 def _param_at(groups, gi: int, pi: int):
@@ -67,7 +62,7 @@ def _still_valid(optimizer, cached, count) -> bool:
     groups = optimizer.param_groups
     for ref, positions in cached[3]:  # one lookup per model: its first parameter's watch
         p = _param_at(groups, *positions[0])
-        if ref() is None or p is None or _watch_of(p)[1] is not ref():
+        if ref() is None or p is None or watch_of(p)[1] is not ref():
             return False
     return True
 
@@ -82,7 +77,7 @@ def _classify(optimizer):
     unowned = None
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
-            ddp, watch = _watch_of(p)
+            ddp, watch = watch_of(p)
             if ddp is not None:
                 owners[id(ddp)] = ddp
             if watch is not None:
@@ -369,7 +364,7 @@ def _post_step(optimizer, args, kwargs) -> None:
 def install() -> None:
     """Register the global hooks once per process (idempotent; fusedist/_process_hooks.py)."""
     # Disabled for dynamo: traced inside a compiled optimizer.step() (or a compiled training step),
-    # _watch_of recompiled once per parameter up to dynamo's recompile limit on the first step.
+    # watch_of recompiled once per parameter up to dynamo's recompile limit on the first step.
     install_optimizer_step_hooks("DDP optimizer-step guard", torch.compiler.disable(_pre_step),
                                  torch.compiler.disable(_post_step))
 

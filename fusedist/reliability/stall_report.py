@@ -191,6 +191,19 @@ def _global_rank():
         return None
 
 
+def read_entries(store, group: str, generation: int, ranks: list) -> Optional[dict]:
+    """The entries of ``ranks`` (None for a rank without one), or None where the store could not be read; one
+    store call or two per rank, none of which waits for a key (the store's timeout is left alone)."""
+    found = {}
+    try:
+        for rank in ranks:
+            key = _key(group, generation, rank)
+            found[rank] = json.loads(store.get(key).decode()) if store.check([key]) else None
+    except Exception:  # noqa: BLE001 - a probe or report never fails because the store is odd
+        return None
+    return found
+
+
 def collect(store, group: str, generation: int, ranks: list[int], window_s: float) -> dict[int, dict]:
     """Poll for the entries of ``ranks`` until all are there or ``window_s`` has passed."""
     found: dict[int, dict] = {}

@@ -106,14 +106,18 @@ def _follow(old, newer) -> None:
 
 def stage2_consumer(ddp):
     """The optimizer ``ddp``'s backward reduce-scatters into (ZeRO stage 2), or None."""
-    strategy = ddp.reducer.strategy
+    return _zero_of(ddp.reducer.strategy)
+
+
+def _zero_of(strategy):
+    """The stage-2 optimizer a reducer ``strategy`` reduce-scatters into, or None."""
     return None if isinstance(strategy, AllReduceAverage) else getattr(strategy, "zero", None)
 
 
 def _consumers(followers: list, strategy) -> list:
     """The objects behind ``followers`` (weak bound methods or bound methods) and ``strategy``."""
     found = {}
-    zero = None if isinstance(strategy, AllReduceAverage) else getattr(strategy, "zero", None)
+    zero = _zero_of(strategy)
     if zero is not None:
         found[id(zero)] = zero
     for f in followers:

@@ -310,6 +310,66 @@ def test_optimizer_mismatch_says_only_what_differs(tmp_path):
     assert "parameters saved" not in str(reshaped.value), str(reshaped.value)
 
 
+OPTIMIZER_RESHAPED = r"parameter (\d+) '(\S+)' has shape \(([\d, ]*)\) in the checkpoint, \(([\d, ]*)\) here"
+
+
+def test_the_pipelined_load_names_every_optimizer_shape_mismatch_as_the_plain_load(tmp_path):
+    """Optimizer state recorded with other shapes than the parameters': the pipelined load (by
+    parameter name) named the first one only; it names every one as the ordinary load does (the
+    first 20 by position and name with both shapes, then how many more), nothing loaded."""
+    from fusedist import checkpoint
+    from fusedist.checkpoint import _files
+    from fusedist.checkpoint._load_plan import SHOWN_SHAPE_MISMATCHES
+
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(13)])
+    checkpoint.save(str(tmp_path), model, torch.optim.AdamW(model.parameters()))
+    manifest = _files.read_manifest(str(tmp_path))
+    manifest["optimizer"]["param_shapes"] = [[4] + shape for shape in manifest["optimizer"]["param_shapes"]]
+    _files.write_manifest(str(tmp_path), manifest)
+    names = [n for n, _ in model.named_parameters()]
+    expected = [(str(i), n, "4, " + ("3, 3" if n.endswith("weight") else "3"), "3, 3" if n.endswith("weight") else
+                 "3,") for i, n in enumerate(names)]
+    messages = []
+    for pipeline in (False, True):
+        opt = torch.optim.AdamW(model.parameters())
+        with pytest.raises(checkpoint.CheckpointError) as refused:
+            checkpoint.load(str(tmp_path), model, opt, pipeline=pipeline)
+        message = str(refused.value)
+        assert f"the optimizer's parameters do not match {tmp_path}: " in message, message
+        assert re.findall(OPTIMIZER_RESHAPED, message) == expected[:SHOWN_SHAPE_MISMATCHES], message
+        assert message.endswith(f"; and {len(names) - SHOWN_SHAPE_MISMATCHES} more"), message
+        assert opt.state_dict()["state"] == {}, pipeline
+        messages.append(message)
+    assert messages[0] == messages[1], messages
+
+
+def test_every_optimizer_position_of_another_name_is_named_with_both_names(tmp_path):
+    """An optimizer whose parameters are the checkpoint's in other groups (weights and biases
+    split for weight decay): torch's Optimizer.load_state_dict refuses another group count;
+    fusedist named the first position of another name only. Every such position is named
+    with both names (the first 20, then how many more), and the optimizer is left as it was."""
+    from fusedist import checkpoint
+    from fusedist.checkpoint._load_plan import SHOWN_SHAPE_MISMATCHES
+
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(12)])
+    checkpoint.save(str(tmp_path), model, torch.optim.AdamW(model.parameters()))
+    saved = [n for n, _ in model.named_parameters()]
+    weights, biases = ([p for n, p in model.named_parameters() if n.endswith(end)] for end in ("weight", "bias"))
+    split = torch.optim.AdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}])
+    with pytest.raises(ValueError):  # torch's own refusal: another number of param groups
+        split.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+    here = [n for n in saved if n.endswith("weight")] + [n for n in saved if n.endswith("bias")]
+    differing = [(str(i), a, b) for i, (a, b) in enumerate(zip(saved, here)) if a != b]
+    assert len(differing) > SHOWN_SHAPE_MISMATCHES
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        checkpoint.load(str(tmp_path), model, split)
+    message = str(refused.value)
+    assert re.findall(r"parameter (\d+) is '(\S+)' in the checkpoint, '(\S+)' here", message) \
+        == differing[:SHOWN_SHAPE_MISMATCHES], message
+    assert message.endswith(f"; and {len(differing) - SHOWN_SHAPE_MISMATCHES} more"), message
+    assert "parameters saved" not in message and split.state_dict()["state"] == {}, message
+
+
 def test_not_a_checkpoint_is_named_as_such(tmp_path):
     from fusedist import checkpoint
 

@@ -63,10 +63,17 @@ def _reshaped_message(reshaped: list, saved: dict, expected: dict, directory: st
     every size mismatch: fixing one at a time would take a load per key."""
     shown = [f"'{k}' has shape {_shown(_shape(saved[k]))} in the checkpoint, the model's is {_shown(expected[k])}"
              for k in reshaped[:SHOWN_SHAPE_MISMATCHES]]
-    more = len(reshaped) - len(shown)
     counted = "1 key has" if len(reshaped) == 1 else f"{len(reshaped)} keys have"
-    return (f"fusedist.checkpoint: {counted} another shape in {directory} than in the model: " + "; ".join(shown)
-            + (f"; and {more} more" if more else ""))
+    listed = _capped(shown, len(reshaped))
+    return f"fusedist.checkpoint: {counted} another shape in {directory} than in the model: {listed}"
+
+
+def _capped(shown: list, total: int) -> str:
+    """The first mismatches found (at most ``SHOWN_SHAPE_MISMATCHES`` of ``shown``) and how many
+    more of ``total``: every one named spares a load per mismatch, the cap keeps the text readable."""
+    shown = shown[:SHOWN_SHAPE_MISMATCHES]
+    more = total - len(shown)
+    return "; ".join(shown) + (f"; and {more} more" if more else "")
 
 
 def _unmatched(saved: dict, expected: dict, target) -> dict:
@@ -286,8 +293,7 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
                                          for i, (p, shape) in enumerate(zip(params, meta["param_shapes"]))])
     shapes = [list(stage3.full_shape(p, where)) for p in params]
     if saved_names != names or shapes != meta["param_shapes"]:
-        detail = _optimizer_mismatch(saved_names, names, meta["param_shapes"], shapes)
-        raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
+        raise optimizer_refusal(directory, _optimizer_mismatch(saved_names, names, meta["param_shapes"], shapes))
     shards = sections("optimizer_shard") if meta["kind"] == "zero" else None
     saved_groups = (shards[0] if shards else common.get("optimizer") or {}).get("param_groups")
     _checks.check_algorithm(meta, optimizer, directory, saved_groups)
@@ -325,19 +331,19 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
 
 def _optimizer_mismatch(saved_names: list, names: list, saved_shapes: list, shapes: list) -> str:
     """What differs between the checkpoint's optimizer parameters and this optimizer's, saying
-    only what was found: the first other name, else the counts and every other shape."""
-    first = next((i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b), None)
-    if first is not None:
-        return f"parameter {first} is '{saved_names[first]}' in the checkpoint, '{names[first]}' here"
+    only what was found: the counts, every position of another name (both names), else every
+    other shape; a hint on the parameters one side has past the other's when the rest agree."""
     found = []
     if len(saved_names) != len(names):
         found.append(f"{len(saved_names)} parameters saved, {len(names)} here")
-    reshaped = [i for i, (a, b) in enumerate(zip(saved_shapes, shapes)) if list(a) != list(b)]
+    renamed = [i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b]
+    if renamed:
+        found.append(_capped([f"parameter {i} is '{saved_names[i]}' in the checkpoint, '{names[i]}' here"
+                              for i in renamed[:SHOWN_SHAPE_MISMATCHES]], len(renamed)))
+        return "; ".join(found)
+    reshaped = optimizer_shape_mismatch(names, saved_shapes, shapes)
     if reshaped:
-        shown = [f"parameter {i} '{names[i]}' has shape {tuple(saved_shapes[i])} in the checkpoint, {tuple(shapes[i])} "
-                 "here" for i in reshaped[:SHOWN_SHAPE_MISMATCHES]]
-        more = len(reshaped) - len(shown)
-        found.append("; ".join(shown) + (f"; and {more} more" if more else ""))
+        found.append(reshaped)
     detail = "; ".join(found)
     if len(saved_names) > len(names):
         detail += (f"; the checkpoint's optimizer also holds {saved_names[len(names):][:3]}: param groups it "
@@ -345,6 +351,22 @@ def _optimizer_mismatch(saved_names: list, names: list, saved_shapes: list, shap
     if len(saved_names) < len(names):
         detail += f"; the optimizer here also holds {names[len(saved_names):][:3]}: {_names.ADDED_AFTER_LOAD}"
     return detail
+
+
+def optimizer_shape_mismatch(names: list, saved_shapes: list, shapes: list) -> str:
+    """Every optimizer parameter whose saved shape is not its shape here, by position and name
+    (capped: :func:`_capped`); empty when all agree. The ordinary and the pipelined load
+    (which takes its state by name) name them alike."""
+    reshaped = [i for i, (a, b) in enumerate(zip(saved_shapes, shapes)) if list(a) != list(b)]
+    if not reshaped:
+        return ""
+    return _capped([f"parameter {i} '{names[i]}' has shape {tuple(saved_shapes[i])} in the checkpoint, "
+                    f"{tuple(shapes[i])} here" for i in reshaped[:SHOWN_SHAPE_MISMATCHES]], len(reshaped))
+
+
+def optimizer_refusal(directory: str, detail: str) -> CheckpointError:
+    """The refusal of an optimizer whose parameters are not the checkpoint's, ``detail`` saying how."""
+    return CheckpointError(f"fusedist.checkpoint: the optimizer's parameters do not match {directory}: {detail}")
 
 
 def _packed_positions(saved_shapes: list, params: list, where: dict) -> set:

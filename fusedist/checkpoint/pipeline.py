@@ -483,15 +483,15 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
     if missing:
         raise CheckpointError(f"fusedist.checkpoint: no stage of {directory} holds optimizer state for the "
                               f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    for p, name in zip(params, names):
-        shape = list(stage3.full_shape(p, sharding[1]))
+    own = [list(stage3.full_shape(p, sharding[1])) for p in params]
+    for p, name, shape in zip(params, names, own):
         if shapes[name] != shape and _load_plan._packed_positions([shapes[name]], [p], sharding[1]):
             # a frozen NF4 weight saved in its other form (Note [quantized storage across run kinds])
             _load_plan._check_no_state({0: state.get(name)}, {0}, [name], directory)
-            continue
-        if shapes[name] != shape:
-            raise CheckpointError(f"fusedist.checkpoint: the optimizer's parameter '{name}' has shape {tuple(shape)}, "
-                                  f"its state in {directory} shape {tuple(shapes[name])}")
+            shapes[name] = shape
+    reshaped = _load_plan.optimizer_shape_mismatch(names, [shapes[n] for n in names], own)
+    if reshaped:  # every one, as the ordinary load names them
+        raise _load_plan.optimizer_refusal(directory, reshaped)
     source = f"optimizer state in {directory}"
     full = _from_dcp.to_torch_format({"state": state, "param_groups": groups}, names, optimizer.param_groups, source,
                                      one_saved=len(with_state) == 1, origins=origins, part=part)

@@ -76,7 +76,7 @@ def _layer(cfg, i):
     kv = cfg.get("num_key_value_heads") or heads
     d = cfg.get("head_dim") or _HEAD_DIM_DEFAULT.get(t) or h // heads
     attn_bias = bool(cfg.get("attention_bias"))
-    qkv_bias = t in _QKV_BIAS or attn_bias
+    qkv_bias = (t in _QKV_BIAS and cfg.get("qkv_bias", True) is not False) or attn_bias  # Qwen2MoeConfig's qkv_bias
     attn = nn.ModuleDict({"q_proj": nn.Linear(h, heads * d, bias=qkv_bias),
                           "k_proj": nn.Linear(h, kv * d, bias=qkv_bias),
                           "v_proj": nn.Linear(h, kv * d, bias=qkv_bias),
@@ -238,6 +238,7 @@ FAMILIES = {
     "mixtral-8x22b": (published.MIXTRAL_8X22B, {}),
     "qwen1.5-moe": (published.QWEN15_MOE, {}),
     "qwen1.5-moe-sparse-step-2": (published.QWEN15_MOE, {"decoder_sparse_step": 2}),
+    "qwen2-moe-no-qkv-bias": (published.QWEN15_MOE, {"qkv_bias": False}),
     "qwen3-30b-a3b": (published.QWEN3_30B_A3B, {}),
     "qwen3-moe-mlp-only-layers": (published.QWEN3_30B_A3B, {"mlp_only_layers": [0, 2]}),
     "qwen3-moe-tied": (published.QWEN3_235B_A22B, {"tie_word_embeddings": True}),

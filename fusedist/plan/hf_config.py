@@ -20,14 +20,16 @@ from .model import ModelSpec, validate
 # where config.json may leave a key out (transformers' LlamaConfig, MistralConfig,
 # Qwen2Config, Phi3Config, GemmaConfig, GPT2Config, Qwen3Config, Gemma2Config,
 # Gemma3TextConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig):
-#   tie: tie_word_embeddings; qkv_bias: biases on q/k/v that the class always builds
-#   (Qwen2Attention, Qwen2MoeAttention: q/k/v with bias, o without); head_dim: the class's
+#   tie: tie_word_embeddings; qkv_bias: biases on q/k/v that the class builds by default
+#   (Qwen2Attention always, Qwen2MoeAttention unless the config's qkv_bias is false: q/k/v with
+#   bias, o without); head_dim: the class's
 #   default head size (Gemma's: 256, whatever hidden / heads is), "required" where the
 #   released configs all give it and the default is not hidden / heads; qk_norm,
 #   sandwich_norm: see ModelSpec; moe: where the experts' keys are (Note [active parameters]
 #   in model.py); keys: the optional keys that change the count and are read (anything else
 #   in the config does not change it); window: which blocks a sliding_window applies to and
-#   the class's default window (Note [sliding windows] in model.py, _window below).
+#   the class's default window (Note [sliding windows] in model.py, _window below); softcap: the
+#   class's default attn_logit_softcapping and final_logit_softcapping (Note [soft-capping]).
 HF_MODEL_TYPES = {
     "llama": {"tie": False, "keys": ("head_dim", "attention_bias", "mlp_bias")},
     "mistral": {"tie": False, "keys": ("head_dim",), "window": ("all", 4096)},
@@ -38,11 +40,11 @@ HF_MODEL_TYPES = {
     "qwen3": {"tie": False, "head_dim": "required", "qk_norm": True, "keys": ("head_dim", "attention_bias"),
               "window": ("qwen", 4096)},
     "gemma2": {"tie": True, "head_dim": 256, "sandwich_norm": True, "keys": ("head_dim", "attention_bias"),
-               "window": ("gemma2", 4096)},
+               "window": ("gemma2", 4096), "softcap": (50.0, 30.0)},
     "gemma3_text": {"tie": True, "head_dim": 256, "sandwich_norm": True, "qk_norm": True,
-                    "keys": ("head_dim", "attention_bias"), "window": ("gemma3", 4096)},
+                    "keys": ("head_dim", "attention_bias"), "window": ("gemma3", 4096), "softcap": (None, None)},
     "mixtral": {"tie": False, "moe": "mixtral", "keys": ("head_dim",), "window": ("all", None)},
-    "qwen2_moe": {"tie": False, "qkv_bias": True, "moe": "qwen2_moe", "keys": (), "window": ("qwen", 4096)},
+    "qwen2_moe": {"tie": False, "qkv_bias": True, "moe": "qwen2_moe", "keys": ("qkv_bias",), "window": ("qwen", 4096)},
     "qwen3_moe": {"tie": False, "head_dim": "required", "qk_norm": True, "moe": "qwen3_moe",
                   "keys": ("head_dim", "attention_bias"), "window": ("qwen", 4096)},
     "falcon": {"tie": True, "keys": ()},  # its own keys: _falcon
@@ -117,6 +119,9 @@ def from_hf_config(path: str) -> ModelSpec:
         if "head_dim" in optional else None
     values["head_dim"] = head_dim if head_dim is not None else default_head
     attention_bias = _flag(cfg, "attention_bias", path) if "attention_bias" in optional else False
+    qkv_bias = family.get("qkv_bias", False)  # Qwen2MoeConfig's qkv_bias (default true) switches it off
+    if "qkv_bias" in optional and cfg.get("qkv_bias") is not None:
+        qkv_bias = _flag(cfg, "qkv_bias", path)
     mlp_bias = _flag(cfg, "mlp_bias", path) if "mlp_bias" in optional else False
     tied = cfg.get("tie_word_embeddings")
     if tied is None:
@@ -129,7 +134,9 @@ def from_hf_config(path: str) -> ModelSpec:
         values.update(_experts(cfg, path, family["moe"], values["layers"], values["ffn_hidden"]))
     if "window" in family:
         values.update(_window(cfg, path, *family["window"], values["layers"]))
-    spec = ModelSpec(arch=arch, tied=tied, qkv_bias=bool(family.get("qkv_bias") or attention_bias),
+    if "softcap" in family:
+        values.update(_softcaps(cfg, path, *family["softcap"]))
+    spec = ModelSpec(arch=arch, tied=tied, qkv_bias=bool(qkv_bias or attention_bias),
                      out_bias=attention_bias, mlp_bias=mlp_bias, qk_norm=family.get("qk_norm", False),
                      sandwich_norm=family.get("sandwich_norm", False), source=f"hf-config ({model_type})",
                      **values)
@@ -274,6 +281,19 @@ def _experts(cfg: dict, path: str, kind: str, layers: int, ffn: int) -> dict:
         out["shared_ffn"] = _positive_int(cfg, "shared_expert_intermediate_size", path, required=True)
         out["shared_gate"] = True
     return out
+
+
+def _softcaps(cfg: dict, path: str, attn_default: Optional[float], final_default: Optional[float]) -> dict:
+    """Gemma-2/3's logit soft-caps (Note [soft-capping] in model.py): a left-out key takes the
+    config class's default, a null one caps nothing."""
+    caps = {}
+    for field, key, default in (("attn_softcap", "attn_logit_softcapping", attn_default),
+                                ("final_softcap", "final_logit_softcapping", final_default)):
+        value = cfg.get(key, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise PlanError("--hf-config", f"{path}: {key!r} must be a positive number or null, got {value!r}")
+        caps[field] = None if value is None else float(value)
+    return caps
 
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")

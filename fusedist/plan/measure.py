@@ -59,10 +59,12 @@ Note [the measured peak]
     cannot beat it. The planned FLOPs must not count more products than the step makes: with
     the untied input embedding counted as 6 FLOPs a parameter (a fifth of the tiny llama's),
     a quick step read 100.4% (Note [lookups are not products] in model.py).
-    A mixture of experts is built to run every expert on every token (fusedist/plan/torch_model.py),
-    more FLOPs than the active ones the plan counts: its MFU is a lower bound. So is that of a
-    model with sliding windows: its windowed blocks mask the scores (Note [sliding windows] in
-    model.py) and compute all s x s of them, where the plan charges min(s, w) keys a query.
+    A mixture of experts sends each token through its top-k experts only (Note [routed tokens]
+    in fusedist/plan/torch_model.py), the active FLOPs the plan counts; its experts' products
+    are taken at their average rows, tokens x top-k / experts. A model with sliding windows
+    computes more than the plan counts, so its MFU is a lower bound: its windowed blocks mask
+    the scores (Note [sliding windows] in model.py) and compute all s x s of them, where the
+    plan charges min(s, w) keys a query.
 
 Note [measuring ZeRO-3 offload]
     zero3_offload is zero3 with ``offload_policy=CPUOffloadPolicy()`` on every unit: the
@@ -104,7 +106,7 @@ from .memory import STRATEGIES
 from .plan import GB
 from .model import count_params
 from .plan import build_plan
-from .torch_model import Transformer
+from .torch_model import Experts, Transformer
 
 TOLERANCE = 0.05
 NOT_MEASURED = "not measured (offload steps Adam only)"
@@ -178,8 +180,16 @@ def _gemm_shapes(model, tokens: int) -> list:
     """(m, k, n) of every matrix product a training step of ``model`` makes with its 2-D
     weights, ``tokens`` rows a micro-batch: forward, input gradient and weight gradient."""
     shapes = set()
+    stacked = set()
+    for m in model.modules():
+        if isinstance(m, Experts):  # each expert's (h, 2f) and (f, h), on its share of the pairs
+            e, h, f = m.shape
+            rows = max(1, tokens * m.top_k // e)
+            for inp, out in ((h, 2 * f), (f, h)):
+                shapes |= {(rows, inp, out), (rows, out, inp), (inp, rows, out)}
+            stacked |= {id(m.w_in), id(m.w_out)}
     for p in model.parameters():
-        if p.dim() == 2:
+        if p.dim() == 2 and id(p) not in stacked:
             out, inp = p.shape
             shapes |= {(tokens, inp, out), (tokens, out, inp), (out, tokens, inp)}
     return sorted(shapes)

@@ -81,6 +81,17 @@ Note [sliding windows]
     (Korthikanti et al.), whose softmax, dropout mask and dropout output are ``a·s²·b``
     tensors however the mask is shaped (eager attention materialises the masked scores); a
     flash-style kernel stores neither, windowed or not (about the selective figure).
+
+Note [soft-capping]
+    Gemma-2 caps its attention scores before the softmax and its final logits before the
+    loss with ``cap · tanh(x / cap)`` (``attn_logit_softcapping``, ``final_logit_softcapping``).
+    The divisions and products by the constant keep nothing for backward; tanh keeps its
+    output. That is one more ``a·s²·b`` tensor a layer in the activations' dtype beside
+    Megatron's softmax and dropout ones (dropped with them under selective recomputation,
+    held by the recomputed layer under full), and one more ``s·b·v`` tensor on the output
+    side, the 16-bit logits' tanh beside the fp32 ones the loss keeps: at Gemma-2's vocabulary
+    of 256,000, 0.5 MB a token in bf16. A flash kernel that caps inside (FlashAttention 2.6's
+    ``softcap``) stores no score tensor, capped or not.
 """
 
 from __future__ import annotations
@@ -130,6 +141,8 @@ class ModelSpec:
     dense_ids: Optional[tuple] = None  # which blocks are the dense_layers; None: the first ones (DeepSeek's)
     sliding_window: Optional[int] = None  # keys a windowed block's query attends (Note [sliding windows])
     window_layers: tuple = ()  # the blocks with that window; the others attend every earlier key
+    attn_softcap: Optional[float] = None  # cap · tanh(scores / cap) before the softmax (Note [soft-capping])
+    final_softcap: Optional[float] = None  # the same on the final logits (Gemma-2)
     params: Optional[int] = None  # given directly (--params)
     source: str = "shape"
 
@@ -231,6 +244,9 @@ def validate(spec: ModelSpec) -> None:
         raise PlanError("dense_ids", f"{spec.dense_ids} are not {spec.dense_layers} distinct blocks of {spec.layers}")
     if spec.sliding_window is not None and not spec.sliding_window > 0:
         raise PlanError("sliding_window", f"must be positive, got {spec.sliding_window}")
+    for name in ("attn_softcap", "final_softcap"):
+        if getattr(spec, name) is not None and not getattr(spec, name) > 0:
+            raise PlanError(name, f"must be positive, got {getattr(spec, name)}")
     if not all(0 <= i < spec.layers for i in spec.window_layers):
         raise PlanError("window_layers", f"{spec.window_layers} are not blocks of {spec.layers}")
 
@@ -454,9 +470,10 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     would not be divided). fp32 activations: the 2-byte tensors double, the masks stay.
     Unfused attention: with flash attention the ``5·a·s²·b`` term is not stored, about the
     selective figure without recomputation. Per token, a mixture-of-experts block keeps the
-    router's logits and, for each routed expert it goes to, its copy of the input and the
-    SwiGLU's four tensors (and the shared expert's four); q/k norms and sandwich norms keep
-    their inputs.
+    router's fp32 probabilities, the routing's indices and weights and, for each routed
+    expert it goes to, its copy of the input, the SwiGLU's four tensors and the expert's
+    output (and the shared expert's four; :func:`_moe_mlp_tensors`); q/k norms and sandwich
+    norms keep their inputs; soft-capping keeps tanh's output (Note [soft-capping]).
     """
     if not spec.has_shape:
         return None
@@ -486,7 +503,8 @@ def output_side_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: st
     in 16-bit (Section 4.3): the last pipeline stage's."""
     word = 4 if precision == "fp32" else 2
     sb = seq * micro_batch
-    return 2 * word * sb * spec.hidden + 4 * sb * spec.vocab
+    capped = word * sb * spec.vocab if spec.final_softcap is not None else 0  # tanh's output (Note [soft-capping])
+    return 2 * word * sb * spec.hidden + 4 * sb * spec.vocab + capped
 
 
 def recomputed_layer_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
@@ -510,18 +528,30 @@ def _block_bytes(spec: ModelSpec, b: int, s: int, precision: str, kept: str) -> 
     norms = (4 if spec.sandwich_norm else 1 if spec.shared_norm else 2) * h
     masks = 2 * h  # attention output and MLP dropout masks, 1 byte each
 
-    def per_layer(mlp):
+    def per_layer(mlp, other=0):
         if kept == "full":
             return word * sb * h
-        n = word * sb * (attn + mlp + norms) + sb * masks
+        n = word * sb * (attn + mlp + norms) + sb * (masks + other)
         if kept != "selective":
             # softmax output, dropout output (2 bytes each in 16-bit), dropout mask (1 byte)
             n += (2 * word + 1) * a * s * s * b
+            n += word * a * s * s * b * (spec.attn_softcap is not None)  # tanh's output (Note [soft-capping])
         return n
 
     dense = per_layer(h + (4 if spec.arch == "llama" else 2) * spec.ffn)  # SwiGLU keeps four, GELU two
     if not spec.moe:
         return dense, None
-    # router logits; per routed expert its copy of the token and its SwiGLU's four
-    return dense, per_layer(h + spec.experts + spec.experts_per_token * (h + 4 * spec.expert_ffn)
-                            + 4 * spec.shared_ffn)
+    return dense, per_layer(*_moe_mlp_tensors(spec))
+
+
+def _moe_mlp_tensors(spec: ModelSpec) -> tuple:
+    """What an MoE block's MLP keeps for backward per token (fusedist/plan/torch_model.py's Note
+    [routed tokens], the tensors of Mixtral's and Megatron-Core's routing): elements of the
+    activations' dtype, and bytes of fixed-width tensors (fp32 router probabilities, top-k
+    weights and their sum; int64 top-k and sort indices)."""
+    h, k = spec.hidden, spec.experts_per_token
+    # the input; per token-expert pair its gathered copy, the SwiGLU's four, the expert's output
+    # and its weight; the shared expert's four, and under a gate its output and the gate's sigmoid
+    mlp = h + k * (2 * h + 4 * spec.expert_ffn + 1) + 4 * spec.shared_ffn
+    mlp += (h + 1) * (spec.shared_gate and bool(spec.shared_ffn))
+    return mlp, 4 * spec.experts + 24 * k + 4 * k + 4

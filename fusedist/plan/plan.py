@@ -340,6 +340,13 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
             f"; full recomputation peaks at {stored / GB:.2f} GB stored (the layers' inputs, the output "
             f"layer's) plus {layer / GB:.2f} GB for the one layer backward recomputes at a time "
             "(without tensor parallelism)")
+    if spec.attn_softcap is not None or spec.final_softcap is not None:  # Note [soft-capping] in model.py
+        inputs["assumptions"]["activations"] += (
+            "; soft-capping keeps tanh's output: " + " and ".join(
+                what for what, cap in (("one more heads x s x s tensor a layer (not under selective or "
+                                        "flash attention)", spec.attn_softcap),
+                                       ("the logits' s x vocab in the activations' dtype", spec.final_softcap))
+                if cap is not None))
     if spec.windowed_layers(job.seq):
         inputs["assumptions"]["activations"] += ("; a sliding window stores the same tensors (the unfused "
                                                  "softmax is s x s whatever the mask)")

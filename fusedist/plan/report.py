@@ -39,7 +39,7 @@ def model_line(plan: dict) -> str:
                     + (f", a shared one of {m['shared_ffn']}" if m.get("shared_ffn") else "")
                     + (f", {m['dense_layers']} dense layers" if m.get("dense_layers") else "") + ")"
                     if m.get("experts") is not None else "")
-                 + _window_text(i)
+                 + _window_text(i) + _softcap_text(m)
                  + f", vocab {m['vocab']}" + (", tied" if m.get("tied") else ""))
     if m.get("source", "shape") not in ("shape", "params"):
         line += f"; from {m['source']}"
@@ -55,6 +55,13 @@ def _window_text(i: dict) -> str:
     if not i.get("windowed_layers"):
         return f", sliding window {window} on {layers} layers (no shorter than seq {i['seq']}: full attention)"
     return f", sliding window {window} on {i['windowed_layers']} of {i['model']['layers']} layers"
+
+
+def _softcap_text(m: dict) -> str:
+    """Gemma-2's soft-caps (Note [soft-capping] in model.py), which add saved tensors."""
+    caps = [f"{what} at {m[key]:g}" for what, key in (("scores", "attn_softcap"), ("logits", "final_softcap"))
+            if m.get(key) is not None]
+    return f", soft-capped {' and '.join(caps)}" if caps else ""
 
 
 def _expert_lines(plan: dict) -> list:

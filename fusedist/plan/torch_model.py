@@ -4,10 +4,28 @@ q/k norms, sandwich norms, experts and sliding attention windows where the spec 
 Rotary position encoding is left out of the llama block: it has no parameters and does not
 change the bytes that are measured.
 
-The mixture of experts runs every expert on every token and weights the outputs by the
-router's top-k (zero for the others): each expert then has a gradient every step, as DDP's
-and ZeRO's reductions expect, and the bytes held and sent are the ones the planner counts;
-the FLOPs are all experts', not the active ones' (Note [active parameters] in model.py)."""
+The mixture of experts routes each token to the router's top-k experts only, as the real
+models do (Note [routed tokens]): the FLOPs and the saved activations are the active
+experts', which is what the planner counts (Note [active parameters] in model.py). The
+experts are two stacked parameters, so an expert that no token picked still has a (zero)
+gradient every step, as DDP's and ZeRO's reductions expect.
+
+Note [routed tokens]
+    The router's softmax (in fp32, as Mixtral's and Qwen-MoE's) picks ``experts_per_token``
+    experts a token, their weights renormalised to sum to one. The token-expert pairs are
+    sorted by expert; each expert's rows are gathered, go through its SwiGLU, and are
+    weighted and added back to their tokens with ``scatter_add`` (Megatron-Core's unpermute),
+    whose backward needs only the indices (``index_add``, which transformers' Mixtral uses,
+    also saves the weighted outputs: a third ``h`` a pair). What autograd keeps, per token:
+    the fp32 router probabilities (``4·experts`` bytes), the top-k indices and the two sort
+    indices (int64, ``24·k``), the top-k weights and their sum (fp32, ``4·k + 4``) and, per
+    pair, the gathered input, the SwiGLU's four tensors, the expert's output and its weight
+    (``(2h + 4·expert_ffn + 1)`` elements); :func:`fusedist.plan.model.activation_bytes` counts
+    these.
+
+Gemma-2's logit soft-capping (``cap · tanh(x / cap)``) is applied where the spec has it: on
+the final logits, and on the attention scores, which then take the unfused path (scores,
+cap, mask, softmax), as transformers' eager attention does for Gemma-2."""
 
 from __future__ import annotations
 
@@ -40,17 +58,31 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.reshape(-1, x.shape[-1])
-        probs = F.softmax(self.router(t).float(), dim=-1)
-        top, idx = probs.topk(self.top_k, dim=-1)
-        weights = torch.zeros_like(probs).scatter(1, idx, top / top.sum(-1, keepdim=True)).to(t.dtype)
-        e, h, f = self.shape
-        gate, up = torch.einsum("th,ehf->etf", t, self.w_in.view(e, h, 2 * f)).chunk(2, dim=-1)
-        y = torch.einsum("etf,efh,te->th", F.silu(gate) * up, self.w_out.view(e, f, h), weights)
+        y = self._routed(t)
         if self.shared is not None:
             g, u = self.shared["fc"](t).chunk(2, dim=-1)
             s = self.shared["out"](F.silu(g) * u)
             y = y + (torch.sigmoid(self.shared_gate(t)) * s if self.shared_gate is not None else s)
         return y.view_as(x)
+
+    def _routed(self, t: torch.Tensor) -> torch.Tensor:
+        """Each token through its top-k experts only (Note [routed tokens])."""
+        e, h, f = self.shape
+        probs = F.softmax(self.router(t), dim=-1, dtype=torch.float32)
+        top, idx = probs.topk(self.top_k, dim=-1)
+        weights = (top / top.sum(-1, keepdim=True)).to(t.dtype)
+        pairs = idx.flatten()
+        order = pairs.argsort(stable=True)  # the token-expert pairs, grouped by expert
+        token_of = order // self.top_k
+        rows = t[token_of]
+        counts = torch.bincount(pairs, minlength=e).tolist()
+        w_in, w_out = self.w_in.view(e, h, 2 * f), self.w_out.view(e, f, h)
+        outs = []
+        for i, chunk in enumerate(rows.split(counts)):  # an expert with no rows still runs: a zero gradient
+            gate, up = (chunk @ w_in[i]).chunk(2, dim=-1)
+            outs.append((F.silu(gate) * up) @ w_out[i])
+        weighted = torch.cat(outs) * weights.flatten()[order].unsqueeze(-1)
+        return torch.zeros_like(t).scatter_add(0, token_of.unsqueeze(-1).expand(-1, h), weighted)
 
 
 class LatentAttention(nn.Module):
@@ -93,7 +125,7 @@ def window_mask(s: int, window: int, device) -> torch.Tensor:
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec, moe: bool = False, window=None):
         super().__init__()
-        self.window = window
+        self.window, self.softcap = window, spec.attn_softcap
         h, f = spec.hidden, spec.ffn
         self.heads, self.kv, self.head_dim = spec.heads, spec.kv, spec.head_size
         self.q_dim, self.kv_dim = spec.q_dim, spec.kv_dim
@@ -149,9 +181,25 @@ class Block(nn.Module):
 
     def _scores(self, q, k, v) -> torch.Tensor:
         s = q.shape[-2]
+        if self.softcap is not None:
+            return self._capped_scores(q, k, v)
         if self.window is None or self.window >= s:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(s, self.window, q.device))
+
+    def _capped_scores(self, q, k, v) -> torch.Tensor:
+        """Unfused attention with Gemma-2's soft-capped scores (Note [soft-capping] in model.py)."""
+        s = q.shape[-2]
+        scores = soft_cap(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, self.softcap)
+        # an additive mask, as transformers' eager attention: adding keeps nothing for backward
+        hidden = torch.zeros(s, s, dtype=scores.dtype, device=q.device)
+        hidden.masked_fill_(~window_mask(s, self.window or s, q.device), float("-inf"))
+        return F.softmax(scores + hidden, dim=-1) @ v
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap · tanh(x / cap)``: Gemma-2's logit soft-capping."""
+    return torch.tanh(x / cap) * cap
 
 
 class Transformer(nn.Module):
@@ -167,6 +215,7 @@ class Transformer(nn.Module):
                                     for i in range(spec.layers))
         self.norm = nn.RMSNorm(h) if spec.arch == "llama" else nn.LayerNorm(h)
         self.head = None if spec.tied_embeddings else nn.Linear(h, spec.vocab, bias=False)
+        self.final_softcap = spec.final_softcap
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.wte(tokens)
@@ -175,4 +224,5 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
-        return F.linear(x, self.wte.weight) if self.head is None else self.head(x)
+        logits = F.linear(x, self.wte.weight) if self.head is None else self.head(x)
+        return logits if self.final_softcap is None else soft_cap(logits, self.final_softcap)

@@ -269,3 +269,15 @@ def fp16_sum_overflow_case(rank: int, limit: float):
     total = local * scale
     dist.all_reduce(total)
     return base, x, scale, local * scale, total
+
+
+def mismatch_or(fn, *args):
+    """The text of the ``RankMismatchError`` that ``fn(*args)`` raises, else what it returns
+    (``"no error"`` for None): what each case of a per-step check scenario reports back."""
+    from fusedist._consistency import RankMismatchError
+
+    try:
+        result = fn(*args)
+    except RankMismatchError as exc:
+        return str(exc)
+    return "no error" if result is None else result

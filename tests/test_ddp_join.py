@@ -195,6 +195,37 @@ def _divergence_case(rank, world):
     return None
 
 
+def _counters_after_join_case(rank, world):
+    """What the per-step check compares and a joined rank did not do while it shadowed the others
+    (their steps on gradients zeroed before the step, their torch GradScaler unscales) is the last
+    joiner's after the context: training on after it is no divergence."""
+    import fusedist
+
+    model = fusedist.DistributedDataParallel(_mlp_bn())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(i, zero_before_step):
+        x, y = _batch(rank, i)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        if zero_before_step:
+            opt.zero_grad(set_to_none=False)
+        scaler.step(opt)
+        scaler.update()
+
+    try:
+        with model.join():
+            for i in range(2 + rank):
+                step(i, zero_before_step=i == 2)  # (rank 0 has joined there)
+        for i in range(2):
+            step(10 + i, zero_before_step=False)
+        model.check_consistency()
+    except fusedist.RankMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
 def _worker(rank, world):
     out = {}
     for opt_name, divide in [("sgd", True), ("sgd", False), ("adamw", True), ("adamw", False)]:
@@ -207,6 +238,7 @@ def _worker(rank, world):
     out["zero1 clip fusedist Join"] = _zero_case(rank, world, 1, False, True, 0.05)
     out["syncbn"] = _syncbn_case(rank, world, [2 + r for r in range(world)])
     out["syncbn rank without batches"] = _syncbn_case(rank, world, [0] + [2 + r for r in range(1, world)])
+    out["counters after join"] = _counters_after_join_case(rank, world)
     out["throw"] = _throw_case(rank, world)
     out["divergence"] = _divergence_case(rank, world)
     return out
@@ -217,9 +249,10 @@ def test_join_matches_torch_ddp(world):
     results = run_distributed(_worker, world, timeout=240)
     for rank, out in enumerate(results):
         for key, value in out.items():
-            if key in ("throw", "divergence"):
+            if key in ("throw", "divergence", "counters after join"):
                 continue
             assert value < TOL, f"rank {rank}: {key}: max difference {value}"
+        assert out["counters after join"] == "no error", (rank, out["counters after join"])
         assert out["throw"] is not None, f"rank {rank} did not raise with throw_on_early_termination"
         expected = "Rank 0 exhausted all inputs" if rank == 0 else "Detected at least one rank that exhausted inputs"
         assert expected in out["throw"]

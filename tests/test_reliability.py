@@ -304,14 +304,8 @@ def _last_step_worker(rank, world_size, directory):
     import os
 
     import fusedist
-    from fusedist._consistency import RankMismatchError
 
-    def outcome(fn, *args):
-        try:
-            fn(*args)
-            return "no error"
-        except RankMismatchError as exc:
-            return str(exc)
+    outcome = models.mismatch_or
 
     def fresh():
         torch.manual_seed(0)
@@ -431,7 +425,6 @@ def _eval_mode_worker(rank, world_size):
     dropout off while the others train with it on: torch's DDP trains on silently (its replicas stay
     equal). Every rank in eval mode alike is no divergence."""
     import fusedist
-    from fusedist._consistency import RankMismatchError
 
     def fresh():
         torch.manual_seed(0)
@@ -443,17 +436,13 @@ def _eval_mode_worker(rank, world_size):
     def outcome(switch):
         model, opt, gen = fresh()
         _train(model, opt, gen, 1)
-        try:
-            switch(model)
-            _train(model, opt, gen, 2)
-            model.check_consistency()
-            return "no error"
-        except RankMismatchError as exc:
-            return str(exc)
+        switch(model)
+        _train(model, opt, gen, 2)
+        model.check_consistency()
 
-    out = {"alike": outcome(lambda model: model.eval()),
-           "whole model": outcome(lambda model: model.eval() if rank == 0 else None),
-           "one layer": outcome(lambda model: model.module[1].eval() if rank == 1 else None)}
+    out = {"alike": models.mismatch_or(outcome, lambda model: model.eval()),
+           "whole model": models.mismatch_or(outcome, lambda model: model.eval() if rank == 0 else None),
+           "one layer": models.mismatch_or(outcome, lambda model: model.module[1].eval() if rank == 1 else None)}
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
     out["alive"] = t.item()
@@ -479,7 +468,6 @@ def _loss_scale_worker(rank, world_size):
     averaged gradients by its own scale, so the replicas drift apart while every counter agrees
     (torch's DDP trains on silently). The same scale loaded on every rank is no divergence."""
     import fusedist
-    from fusedist._consistency import RankMismatchError
 
     def outcome(loaded_scale):
         torch.manual_seed(0)
@@ -489,18 +477,39 @@ def _loss_scale_worker(rank, world_size):
         if loaded_scale is not None:
             scaler.load_state_dict(dict(scaler.state_dict(), scale=loaded_scale))
         gen = torch.Generator().manual_seed(rank)
-        try:
-            for _ in range(2):  # (far below the parameter check's period)
-                x, y = models.MLP.batch(gen)
-                opt.zero_grad()
-                scaler.scale((model(x) - y).pow(2).mean()).backward()
-                scaler.step(opt)
-                scaler.update()
-        except RankMismatchError as exc:
-            return str(exc)
-        return "no error"
+        for _ in range(2):  # (far below the parameter check's period)
+            x, y = models.MLP.batch(gen)
+            opt.zero_grad()
+            scaler.scale((model(x) - y).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
 
-    return {"alike": outcome(1024.0), "one rank": outcome(1024.0 if rank == 1 else None)}
+    return {"alike": models.mismatch_or(outcome, 1024.0),
+            "one rank": models.mismatch_or(outcome, 1024.0 if rank == 1 else None)}
+
+
+def _torch_loss_scale_worker(rank, world_size):
+    """torch's own GradScaler (kept with fusedist's wrapper) whose scale update(new_scale) set on one
+    rank only: as with fusedist's (above), the replicas drift apart while every counter agrees."""
+    import fusedist
+
+    def outcome(new_scale, fused=False):
+        torch.manual_seed(0)
+        model = fusedist.DistributedDataParallel(models.MLP())
+        opt = (torch.optim.Adam(model.parameters(), lr=0.01, fused=True) if fused
+               else torch.optim.SGD(model.parameters(), lr=0.1))
+        scaler = torch.amp.GradScaler("cpu")
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(4):  # (far below the parameter check's period)
+            x, y = models.MLP.batch(gen)
+            opt.zero_grad()
+            scaler.scale((model(x) - y).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update(new_scale if step == 0 else None)
+
+    return {"alike": models.mismatch_or(outcome, 1024.0),
+            "one rank": models.mismatch_or(outcome, 1024.0 if rank == 1 else None),
+            "fused one rank": models.mismatch_or(outcome, 1024.0 if rank == 1 else None, True)}
 
 
 def test_ranks_scaling_losses_by_different_grad_scaler_scales_are_named_at_the_next_forward(launched):
@@ -513,41 +522,53 @@ def test_ranks_scaling_losses_by_different_grad_scaler_scales_are_named_at_the_n
         assert "the ranks were at the same point but did not run it alike" in text, text
 
 
+def test_torch_grad_scaler_scales_that_differ_are_named_a_step_later(launched):
+    """torch.amp.GradScaler's scale is noted where it unscales (Note [torch's GradScaler in the step
+    check]): named at the check of the next synchronized backward, with a plain and a fused optimizer."""
+    for rank, out in enumerate(results_of(launched, "torch loss scale")):
+        assert out["alike"] == "no error", out["alike"]
+        for case in ("one rank", "fused one rank"):
+            text = out[case]
+            assert f"this is rank {rank}" in text and "synchronized backward #2" in text, (case, text)
+            assert "loss_scale: ranks [0]: 65536.0; ranks [1]: 1024.0 -- " in text, (case, text)
+            assert "params:" not in text and "control flow" not in text, (case, text)
+
+
 def _cleared_grads_worker(rank, world_size):
-    """optimizer.zero_grad() between backward() and step() on one rank: its step applies nothing
+    """optimizer.zero_grad() (set to None, or set_to_none=False: zeroed in place) between backward() and step()
+    on one rank: its step applies nothing
     while the other's applies the averaged gradients (torch's DDP trains on silently, the replicas
     apart). Clearing on every rank alike is no divergence."""
     import fusedist
-    from fusedist._consistency import RankMismatchError
 
-    def outcome(clears):
+    def outcome(clears, set_to_none=True):
         torch.manual_seed(0)
         model = fusedist.DistributedDataParallel(models.MLP())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(rank)
-        try:
-            for step in range(4):  # (far below the parameter check's period)
-                x, y = models.MLP.batch(gen)
-                opt.zero_grad()
-                (model(x) - y).pow(2).mean().backward()
-                if step == 1 and clears:
-                    opt.zero_grad()
-                opt.step()
-        except RankMismatchError as exc:
-            return str(exc)
-        return "no error"
+        for step in range(4):  # (far below the parameter check's period)
+            x, y = models.MLP.batch(gen)
+            opt.zero_grad(set_to_none=set_to_none)
+            (model(x) - y).pow(2).mean().backward()
+            if step == 1 and clears:
+                opt.zero_grad(set_to_none=set_to_none)
+            opt.step()
 
-    return {"alike": outcome(True), "one rank": outcome(rank == 1)}
+    return {"alike": models.mismatch_or(outcome, True), "one rank": models.mismatch_or(outcome, rank == 1),
+            "alike in place": models.mismatch_or(outcome, True, False),
+            "one rank in place": models.mismatch_or(outcome, rank == 1, False)}
 
 
 def test_gradients_cleared_before_the_step_on_one_rank_are_named_at_the_next_check(launched):
+    """Set to None or zeroed in place (zero_grad(set_to_none=False): Note [gradients cleared before the step])."""
     for rank, out in enumerate(results_of(launched, "cleared grads")):
-        assert out["alike"] == "no error", out["alike"]
-        text = out["one rank"]
-        assert f"this is rank {rank}" in text and "synchronized backward #2" in text, text
-        assert "grads_cleared: ranks [0]: 0; ranks [1]: 1 -- optimizer.step() ran with the model's gradients " \
-            "cleared" in text, text
-        assert "params:" not in text and "optimizer_steps:" not in text, text
+        for case in ("", " in place"):
+            assert out["alike" + case] == "no error", (case, out["alike" + case])
+            text = out["one rank" + case]
+            assert f"this is rank {rank}" in text and "synchronized backward #2" in text, (case, text)
+            assert "grads_cleared: ranks [0]: 0; ranks [1]: 1 -- optimizer.step() ran with the model's gradients " \
+                "cleared" in text, (case, text)
+            assert "params:" not in text and "optimizer_steps:" not in text, (case, text)
 
 
 def _one_rank_clip_worker(rank, world_size):
@@ -555,7 +576,6 @@ def _one_rank_clip_worker(rank, world_size):
     averaged gradients, the other's unclipped ones (torch's DDP trains on silently, the replicas
     apart). Clipping on every rank alike is no divergence, and returns torch's norm."""
     import fusedist
-    from fusedist._consistency import RankMismatchError
     from fusedist.optim.torch_clip import torch_clip_grad_norm_
 
     def outcome(clips, clip):
@@ -564,27 +584,25 @@ def _one_rank_clip_worker(rank, world_size):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(rank)
         norms = []
-        try:
-            for step in range(4):  # (far below the parameter check's period)
-                x, y = models.MLP.batch(gen)
-                opt.zero_grad()
-                (model(x) - y).pow(2).mean().backward()
-                if step == 1 and clips:
-                    # (torch's norm, as its clip takes it: of the per-gradient norms)
-                    expected = torch.linalg.vector_norm(torch.stack([g.grad.norm() for g in model.parameters()]))
-                    norms.append((float(clip()(model.parameters(), 0.01)), float(expected)))
-                opt.step()
-        except RankMismatchError as exc:
-            return str(exc)
+        for step in range(4):  # (far below the parameter check's period)
+            x, y = models.MLP.batch(gen)
+            opt.zero_grad()
+            (model(x) - y).pow(2).mean().backward()
+            if step == 1 and clips:
+                # (torch's norm, as its clip takes it: of the per-gradient norms)
+                expected = torch.linalg.vector_norm(torch.stack([g.grad.norm() for g in model.parameters()]))
+                norms.append((float(clip()(model.parameters(), 0.01)), float(expected)))
+            opt.step()
         return norms
 
     # (torch's name as looked up at the call, as bound before fusedist replaced it, and fusedist's own)
     clips = {"torch": lambda: torch.nn.utils.clip_grad_norm_, "torch bound before": lambda: torch_clip_grad_norm_,
              "fusedist": lambda: fusedist.clip_grad_norm_}
-    out = {f"alike {name}": outcome(True, clip) for name, clip in clips.items()}
-    out.update({name: outcome(rank == 1, clip) for name, clip in clips.items()})
+    out = {f"alike {name}": models.mismatch_or(outcome, True, clip) for name, clip in clips.items()}
+    out.update({name: models.mismatch_or(outcome, rank == 1, clip) for name, clip in clips.items()})
     # the norm measured for logging on rank 0 only (max_norm=inf scales nothing): no divergence
-    out["logged"] = outcome(rank == 0, lambda: lambda params, _: torch.nn.utils.clip_grad_norm_(params, float("inf")))
+    out["logged"] = models.mismatch_or(
+        outcome, rank == 0, lambda: lambda params, _: torch.nn.utils.clip_grad_norm_(params, float("inf")))
     return out
 
 
@@ -631,6 +649,8 @@ def launched(request, tmp_path_factory):
             "eval mode": (_under, (FAST_FAILURE, _eval_mode_worker))},
         "test_ranks_scaling_losses_by_different_grad_scaler_scales_are_named_at_the_next_forward": {
             "loss scale": (_under, (FAST_FAILURE, _loss_scale_worker))},
+        "test_torch_grad_scaler_scales_that_differ_are_named_a_step_later": {
+            "torch loss scale": (_under, (FAST_FAILURE, _torch_loss_scale_worker))},
         "test_gradients_cleared_before_the_step_on_one_rank_are_named_at_the_next_check": {
             "cleared grads": (_under, (FAST_FAILURE, _cleared_grads_worker))},
         "test_a_clip_on_one_rank_only_is_named_at_the_next_check": {

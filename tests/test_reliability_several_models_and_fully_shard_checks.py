@@ -115,11 +115,10 @@ def test_launch_time_of_a_collective_is_not_taken_from_a_later_one():
 
 def _sharded_eval_mode_worker(rank, world_size):
     """Rank 1 left in eval mode after a step (Note [train and eval modes in the step check])."""
-    from fusedist._consistency import RankMismatchError
 
-    model, opt = _sharded_block_stack()
-    gen = torch.Generator().manual_seed(rank)
-    try:
+    def outcome():
+        model, opt = _sharded_block_stack()
+        gen = torch.Generator().manual_seed(rank)
         for step in range(3):
             if rank == 1 and step == 1:
                 model.eval()
@@ -127,9 +126,8 @@ def _sharded_eval_mode_worker(rank, world_size):
             opt.step()
             opt.zero_grad()
         model.check_consistency()
-    except RankMismatchError as exc:
-        return str(exc)
-    return "no error"
+
+    return models.mismatch_or(outcome)
 
 
 def test_fully_shard_ranks_in_different_train_eval_modes_are_named_on_every_rank(launched):
@@ -145,7 +143,6 @@ def _sharded_dropout_mode_worker(rank, world_size):
     it was replaced (Note [every module's mode under a fully_shard root] in sharded_watch.py); torch's
     FSDP2 trains on silently. Every rank switching it alike is no divergence."""
     import fusedist
-    from fusedist._consistency import RankMismatchError
 
     def outcome(switch, replace=False):
         torch.manual_seed(0)
@@ -154,22 +151,19 @@ def _sharded_dropout_mode_worker(rank, world_size):
         fusedist.fully_shard(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(rank)
-        try:
-            for step in range(3):
-                if step == 1:
-                    if replace:  # (on every rank: the tree changed after the first forward)
-                        net[1] = torch.nn.Dropout(0.25)
-                    if switch:
-                        net[1].eval()
-                net(torch.randn(4, 5, generator=gen)).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-            net.check_consistency()
-        except RankMismatchError as exc:
-            return str(exc)
-        return "no error"
+        for step in range(3):
+            if step == 1:
+                if replace:  # (on every rank: the tree changed after the first forward)
+                    net[1] = torch.nn.Dropout(0.25)
+                if switch:
+                    net[1].eval()
+            net(torch.randn(4, 5, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        net.check_consistency()
 
-    return {"alike": outcome(True), "one rank": outcome(rank == 1), "replaced": outcome(rank == 1, replace=True)}
+    return {"alike": models.mismatch_or(outcome, True), "one rank": models.mismatch_or(outcome, rank == 1),
+            "replaced": models.mismatch_or(outcome, rank == 1, True)}
 
 
 def test_fully_shard_dropout_in_eval_mode_on_one_rank_is_named_on_every_rank(launched):
@@ -186,31 +180,27 @@ def test_fully_shard_dropout_in_eval_mode_on_one_rank_is_named_on_every_rank(lau
 def _sharded_cleared_grads_worker(rank, world_size):
     """optimizer.zero_grad() between backward() and step() (Note [gradients cleared before the
     step] in optimizer_guard.py): on one rank, named at the next check; on every rank, no error."""
-    from fusedist._consistency import RankMismatchError
-
-    def outcome(clears):
+    def outcome(clears, set_to_none=True):
         model, opt = _sharded_block_stack()
         gen = torch.Generator().manual_seed(rank)
-        try:
-            for step in range(4):
-                model(torch.randn(4, 5, generator=gen)).square().mean().backward()
-                if step == 1 and clears:
-                    opt.zero_grad()
-                opt.step()
-                opt.zero_grad()
-        except RankMismatchError as exc:
-            return str(exc)
-        return "no error"
+        for step in range(4):
+            model(torch.randn(4, 5, generator=gen)).square().mean().backward()
+            if step == 1 and clears:
+                opt.zero_grad(set_to_none=set_to_none)
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
 
-    return {"alike": outcome(True), "one rank": outcome(rank == 1)}
+    return {"alike": models.mismatch_or(outcome, True), "one rank": models.mismatch_or(outcome, rank == 1),
+            "one rank in place": models.mismatch_or(outcome, rank == 1, False)}
 
 
 def test_fully_shard_gradients_cleared_before_the_step_on_one_rank_are_named(launched):
     for rank, out in enumerate(results_of(launched, "cleared grads")):
         assert out["alike"] == "no error", out["alike"]
-        text = out["one rank"]
-        assert f"this is rank {rank}" in text and "synchronized backward #2" in text, text
-        assert "grads_cleared: ranks [0]: 0; ranks [1]: 1 -- " in text, text
+        for case in ("one rank", "one rank in place"):
+            text = out[case]
+            assert f"this is rank {rank}" in text and "synchronized backward #2" in text, (case, text)
+            assert "grads_cleared: ranks [0]: 0; ranks [1]: 1 -- " in text, (case, text)
 
 
 def _sharded_checks_off_worker(rank, world_size):

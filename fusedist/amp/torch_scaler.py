@@ -19,6 +19,10 @@ gets one (Note [torch's clip on sharded gradients] in fusedist/optim/torch_clip.
 
 Optimizers without such parameters, and torch's subclasses that do their own reduction
 (``ShardedGradScaler``) or step with the scaler themselves (ZeRO stage 2), are untouched.
+
+The replacement also notes the scaler's scale for the per-step check (Note [torch's GradScaler in
+the step check] in fusedist/reliability/scale_check.py), so the first DDP model with the check on
+installs it too.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from torch.amp.grad_scaler import GradScaler
 
 from ..ownership import gradient_holders_of
+from ..reliability.scale_check import unscaled_with
 
 __all__ = ["install", "installed"]
 
@@ -36,6 +41,7 @@ _installed = False
 
 def _unscale_grads_global(self, optimizer, inv_scale, found_inf, allow_fp16):
     per_device = _TORCH_UNSCALE(self, optimizer, inv_scale, found_inf, allow_fp16)
+    unscaled_with(self, optimizer)
     from ..fsdp.holder import ShardedGradHolder  # (fsdp imports this module's installer)
 
     holders = [h for h in gradient_holders_of(optimizer) if isinstance(h, ShardedGradHolder)]

@@ -74,11 +74,13 @@ class WatchBase:
         self.optimizer_steps = 0  # counted by fusedist.reliability.optimizer_guard
         self.cleared_steps = 0  # of those, taken with the gradients cleared (Note [gradients cleared before the step])
         self.clips = 0  # clip_grad_norm_ calls over the model's parameters (Note [a clip on some ranks only])
+        self.unscaled_by = 0  # torch's GradScaler's scale, noted since the last check (Note in scale_check.py)
         self.last_backward_synced = True
         self.checking = False  # inside check_consistency() (Note [a rank behind at the check])
         self.step_check = StepCheck(comm, self.check_tag) if checks_enabled() and comm.world_size > 1 else None
         if self.step_check is not None:
             _count_torch_clips()
+            _see_torch_scaler()
         self.monitor = attach_monitor(comm)
         if self.monitor is not None:
             self.monitor.add_context_provider(self.position)
@@ -267,7 +269,7 @@ class StepWatch(WatchBase, EngineObserver):
             unused_count,
             self._trainable_crc(tracker),
             self._modes,  # Note [train and eval modes in the step check]
-            scale_field(),  # Note [loss scale in the step check]
+            scale_field(self),  # Note [loss scale in the step check]
             self.cleared_steps,  # Note [gradients cleared before the step] in optimizer_guard.py
             self.clips,  # Note [a clip on some ranks only] in clip_check.py
             0,  # the parameter digest, when due, is written on the device
@@ -377,12 +379,20 @@ class StepWatch(WatchBase, EngineObserver):
 
     # ------------------------------------------------------------------ joined ranks
     def counters(self) -> list:
-        return [self.sync_steps, self.forwards, self._engine.iteration, self.optimizer_steps, self.clips]
+        """Every counter the step check compares that a joined rank does not advance while it shadows."""
+        return [self.sync_steps, self.forwards, self._engine.iteration, self.optimizer_steps, self.cleared_steps,
+                self.clips]
 
     def set_counters(self, values: list) -> None:
-        """Take the last joiner's counters (Note [joined ranks] in fusedist/ddp/join.py); the clips too: a
-        joined rank skipped the clips of the steps it shadowed (Note [a clip on some ranks only])."""
-        self.sync_steps, self.forwards, self._engine.iteration, self.optimizer_steps, self.clips = values
+        """Take the last joiner's counters (Note [joined ranks] in fusedist/ddp/join.py): a joined rank
+        skipped the steps it shadowed, their clips (Note [a clip on some ranks only]) and their steps on
+        cleared gradients (Note [gradients cleared before the step]) included. A torch GradScaler's scale
+        noted on a joined rank at its own last step was never read (its checks since were neutral), and
+        the last joiner's was read by the context's final check: dropped on every rank, the next check
+        carries the next unscale's on all alike (Note [torch's GradScaler in the step check])."""
+        (self.sync_steps, self.forwards, self._engine.iteration, self.optimizer_steps, self.cleared_steps,
+         self.clips) = values
+        self.unscaled_by = 0
 
     def position(self) -> dict:
         """Where training is, for stall reports (fusedist.reliability)."""
@@ -428,6 +438,16 @@ def _count_torch_clips() -> None:
 
     if not torch_clip.installed():
         torch_clip.install()
+
+
+def _see_torch_scaler() -> None:
+    """torch's ``GradScaler._unscale_grads_`` replaced (Note [torch's scaler on sharded gradients] in
+    fusedist/amp/torch_scaler.py), so that its scale is noted (Note [torch's GradScaler in the step
+    check] in scale_check.py)."""
+    from ..amp import torch_scaler  # (here, not at import: fusedist.amp imports the reliability layer)
+
+    if not torch_scaler.installed():
+        torch_scaler.install()
 
 
 def _tree_modules(engine) -> list:

@@ -98,6 +98,11 @@ def _watches(entry) -> list:
     return [w for w in (ref() for ref, _ in entry[3]) if w is not None]
 
 
+def watches_of(optimizer) -> list:
+    """The watches of the models whose parameters ``optimizer`` steps (cached as the guard classifies it)."""
+    return _watches(_classify(optimizer))
+
+
 def _checked_watches(optimizer, entry) -> list:
     """Note [several models in one optimizer]: one optimizer over two DDP models (an encoder and
     a head wrapped apart, a GAN's two nets) may step while only one of them ran a backward; as
@@ -148,6 +153,7 @@ def _pre_step(optimizer, args, kwargs):
     owners, watches = _owners(entry), _watches(entry)
     if not watches:
         return None
+    _watch_zero_grad(optimizer)
     if _is_state_creating(optimizer):  # Note [torch's state-creating step]
         _state_creating.add(optimizer)
         return None
@@ -278,15 +284,52 @@ def _check_backward(optimizer, watches) -> None:
 # that model's watch (``cleared_steps``), a field of the step check (``grads_cleared``): ranks
 # whose counts differ are named at the next synchronized backward's verdict. The test stops at the
 # first parameter with a gradient (a few attribute reads per step in training); the same clearing on
-# every rank is no divergence and is not flagged. ``zero_grad(set_to_none=False)`` zeros the
-# gradients in place: telling that apart would read every gradient's values, so it is left to the
-# parameter check.
+# every rank is no divergence and is not flagged.
+#
+# ``zero_grad(set_to_none=False)`` zeros the gradients in place: they are still there at the step,
+# and telling them apart from real ones would read every gradient's values. So the optimizer's own
+# ``zero_grad`` notes, per model it steps, the model's backward count when it ran (an instance
+# attribute wrapping the class's method, set at the optimizer's first guarded step: torch has no
+# zero_grad hook, and its class is left alone); a step whose optimizer zeroed since the model's last
+# backward counts as cleared, whatever the zeroing left (a rank whose pieces are all empty holds no
+# gradient either way). Gradients zeroed by other means (``model.zero_grad()``,
+# ``p.grad.zero_()``, or the optimizer's zero_grad before its first step) remain the parameter check's.
+_zeroed_at: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> {watch: backward count}
+
+
+def _watch_zero_grad(optimizer) -> None:
+    """Give ``optimizer`` a ``zero_grad`` that notes when it ran (once; one set by its user stays theirs)."""
+    if "zero_grad" in getattr(optimizer, "__dict__", {"zero_grad": None}):
+        return
+    optimizer_ref = weakref.ref(optimizer)  # (a strong one would make the optimizer reach itself)
+
+    @torch.compiler.disable
+    def zero_grad(*args, **kwargs):
+        opt = optimizer_ref()
+        if opt is None:  # (the bound method outlived its optimizer: nothing left to zero)
+            return None
+        result = type(opt).zero_grad(opt, *args, **kwargs)
+        entry = _cache.get(opt)
+        if entry is not None:
+            noted = _zeroed_at.setdefault(opt, weakref.WeakKeyDictionary())
+            for watch in _watches(entry):
+                noted[watch] = watch.backward_count()
+        return result
+
+    zero_grad.__doc__ = type(optimizer).zero_grad.__doc__
+    optimizer.zero_grad = zero_grad
+
+
 def _count_cleared_steps(optimizer, entry) -> None:
     groups = optimizer.param_groups
+    zeroed = _zeroed_at.get(optimizer)
     for ref, positions in entry[3]:
         watch = ref()
         if watch is None or not watch.last_backward_synced or getattr(watch, "in_backward", False):
             continue
+        if zeroed is not None and zeroed.get(watch) == watch.backward_count():
+            watch.cleared_steps += 1  # its zero_grad ran since the last backward (to None or in place)
+            continue  # (on every rank alike: whatever gradients a rank's pieces hold)
         if any(getattr(_param_at(groups, gi, pi), "grad", None) is not None for gi, pi in positions):
             continue  # (the common case: stops at the first parameter with a gradient)
         params = (_param_at(groups, gi, pi) for gi, pi in positions)

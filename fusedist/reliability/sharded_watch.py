@@ -208,7 +208,7 @@ class ShardedStepWatch(WatchBase):
         self.step_check.launch(
             [self.sync_steps, self.forwards, self.backwards, self.optimizer_steps, self.wrapping_crc,
              self.comm.last_seq, self._gradients_crc, self._units_crc, self._modes,  # (Note in mode_check.py)
-             scale_field(), self.cleared_steps, self.clips,  # (Notes in scale_check, optimizer_guard, clip_check)
+             scale_field(self), self.cleared_steps, self.clips,  # (Notes in scale_check, optimizer_guard, clip_check)
              0, 0],  # (the replica flags, if due)
             detail, digest=flag, replicas=replicas)
 

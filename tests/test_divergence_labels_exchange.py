@@ -112,6 +112,13 @@ def _labels_across_ranks(rank, world_size):
     for builtin in (False, True):
         out[f"barrier against all_reduce, builtin {builtin}"] = _diverged_on_new_group(
             lambda c: c.barrier() if rank == 0 else c.all_reduce(torch.ones(1), tag="one value"), builtin=builtin)
+    # An all-reduce on rank 0 against a reduce-scatter of as many elements and the same op on rank 1. gloo's own
+    # reduce-scatter is an all-reduce of its input: the two paired and both ranks went on out of step.
+    for how in ("exchange", "builtin", "builtin async"):
+        out[f"all_reduce against reduce_scatter, {how}"] = _diverged_on_new_group(
+            lambda c: c.all_reduce(torch.ones(8), async_op=how.endswith("async")) if rank == 0 else
+            c.reduce_scatter(torch.empty(4), torch.ones(8), async_op=how.endswith("async")),
+            builtin=how.startswith("builtin"))
     # gloo's own reduce-scatter (an all-reduce of a copy): healthy against torch's all-reduce, then with max on
     # rank 0 and sum on rank 1, launched both ways -- it completed, each rank going on with a result of both ops.
     values = torch.randn(4 * world_size, generator=g)
@@ -250,6 +257,25 @@ def test_a_barrier_never_pairs_with_a_one_element_all_reduce(results, builtin):
         message, elapsed, ended = out[f"barrier against all_reduce, builtin {builtin}"]
         assert "ranks [0] in barrier" in message and "ranks [1] in all_reduce" in message, (rank, message)
         assert "Stall report" in message and elapsed < 6 and ended, (rank, elapsed, message)
+
+
+@pytest.mark.parametrize("how, named", [
+    ("exchange", ["ranks [0] in all_reduce (collective #0, 8 x torch.float32 per rank)",
+                  "ranks [1] in reduce_scatter (collective #0, 4 x torch.float32 per rank)"]),
+    ("builtin", ["rank 0: all_reduce of 8 x torch.float32", "rank 1: reduce_scatter of 8 x torch.float32",
+                 "launched on no rank"]),
+    ("builtin async", ["rank 0: all_reduce of 8 x torch.float32", "rank 1: reduce_scatter of 8 x torch.float32",
+                       "the tensor holds garbage"]),
+])
+def test_an_all_reduce_never_pairs_with_a_reduce_scatter(results, how, named):
+    """Note [the collective's kind in a fingerprint] in fusedist/comm/part_agreement.py: gloo's own reduce-scatter
+    is an all-reduce, and its fingerprint did not say which collective it served: against an all-reduce of as many
+    elements and one op it completed on both ranks. Every rank now fails at once, naming both collectives."""
+    for rank, (status, out) in enumerate(results):
+        assert status == "ok", out
+        message, elapsed, ended = out[f"all_reduce against reduce_scatter, {how}"]
+        assert all(n in message for n in named), (rank, message)
+        assert elapsed < 6 and ended, (rank, elapsed, message)
 
 
 def test_groups_entered_in_different_orders_fail_every_rank_soon_after_the_delay(results):
@@ -463,3 +489,4 @@ def test_a_peer_that_failed_elsewhere_is_named_at_the_first_read_past_the_delay(
     later = WaitProbe(_GroupRank(store, 0), "all_reduce", "ddp bucket 1", 8, delay_s=0.3)
     assert later.check() is None
     later.close()
+

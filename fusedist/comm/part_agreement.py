@@ -10,7 +10,8 @@ Note [parts agreed before gloo's own all-reduce]
     all-reduces go through the exchange, whose messages are labelled by size, dtype and op (Note
     [small all-reduces through the exchange] in torch_comm.py). Every other all-reduce of CPU tensors
     on gloo posts a fingerprint of this rank's part -- sequence number, element count, dtype, op,
-    shape -- to every peer, and receives theirs; so does gloo's own reduce-scatter, an all-reduce of a
+    shape, and the collective it serves (Note [the collective's kind in a fingerprint]) -- to every
+    peer, and receives theirs; so does gloo's own reduce-scatter, an all-reduce of a
     copy of the input (``FUSEDIST_GLOO_COLLECTIVES=builtin``, dtypes the exchange does not reduce), whose
     ranks, passing different ops, each went on with a result of both:
 
@@ -56,6 +57,10 @@ SEQ_BITS = 20
 MAX_DIMS = 8
 _LEN = 6 + MAX_DIMS
 _OPS = ("sum", "avg", "max", "min")
+#: The collectives made of gloo's own all-reduce, told apart by the fingerprint's last slot (Note [the
+#: collective's kind in a fingerprint]); an all-reduce's is 0, as in a fingerprint made without one.
+_KINDS = ("all_reduce", "reduce_scatter")
+_KIND = _LEN - 1
 _DTYPES = {zlib.crc32(str(d).encode()): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
@@ -83,11 +88,25 @@ def fingerprint(tensor: torch.Tensor, op: str, seq: int) -> torch.Tensor:
     return torch.tensor(values + [0] * (_LEN - len(values)), dtype=torch.int64)
 
 
-def describe(fp: list) -> str:
-    """``1000 x torch.float32 (shape (10, 100)), op sum`` from a fingerprint."""
+# Note [the collective's kind in a fingerprint]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# gloo's own reduce-scatter is an all-reduce of a copy of its input, so an all-reduce on one rank paired
+# with a reduce-scatter of as many elements and the same op on another: both completed, the ranks went on
+# out of step, each believing the other ran its collective. The fingerprint now carries the collective's
+# kind (in its last slot, unused by the shape), and different kinds are a mismatch named on every rank.
+def with_kind(fp: torch.Tensor, kind: str) -> torch.Tensor:
+    """``fp`` marked as the fingerprint of a ``kind`` collective (``all_reduce`` or ``reduce_scatter``)."""
+    fp[_KIND] = _KINDS.index(kind)
+    return fp
+
+
+def describe(fp: list, named_kind: bool = False) -> str:
+    """``1000 x torch.float32 (shape (10, 100)), op sum`` from a fingerprint, led by its collective
+    (``reduce_scatter of ...``) when ``named_kind``."""
     numel, dtype, op, ndim = fp[1], _DTYPES.get(fp[2], "an unknown dtype"), _OPS[fp[3]], fp[4]
     shape = f"shape {tuple(fp[5:5 + ndim])}" if ndim <= MAX_DIMS else f"{ndim} dims"
-    return f"{numel} x {dtype} ({shape}), op {op}"
+    kind = f"{_KINDS[fp[_KIND]]} of " if named_kind else ""
+    return f"{kind}{numel} x {dtype} ({shape}), op {op}"
 
 
 class AgreedAllReduce:
@@ -97,10 +116,10 @@ class AgreedAllReduce:
     process group's own where shorter), which bounds the fingerprints' receives too."""
 
     def __init__(self, tensor: torch.Tensor, op: str, seq: int, group, rank: int, world_size: int,
-                 launch: Callable[[], object], launch_now: bool, limit_s: float):
+                 launch: Callable[[], object], launch_now: bool, limit_s: float, kind: str = "all_reduce"):
         self._launch, self.rank = launch, rank
         self._deadline = time.monotonic() + limit_s
-        self._mine = fingerprint(tensor, op, seq)
+        self._mine = with_kind(fingerprint(tensor, op, seq), kind)
         self._theirs = {p: torch.empty(_LEN, dtype=torch.int64) for p in range(world_size) if p != rank}
         tag = TAG_BASE | (seq % (1 << SEQ_BITS))
         self._recvs, self._sends = [], []
@@ -155,12 +174,13 @@ class AgreedAllReduce:
         self._agreed = True
         mine = self._mine.tolist()
         parts = {self.rank: mine, **{p: buf.tolist() for p, buf in self._theirs.items()}}
-        if all(fp[:4] == mine[:4] for fp in parts.values()):
+        if all(fp[:4] == mine[:4] and fp[_KIND] == mine[_KIND] for fp in parts.values()):
             return
         self.mismatched = True
+        kinds_differ = len({fp[_KIND] for fp in parts.values()}) > 1  # (named only then)
         groups: dict = {}
         for r in sorted(parts):
-            groups.setdefault(describe(parts[r]), []).append(r)
+            groups.setdefault(describe(parts[r], kinds_differ), []).append(r)
         listed = "; ".join(f"rank {ranks[0]}: {what}" if len(ranks) == 1 else f"ranks {ranks}: {what}"
                            for what, ranks in groups.items())
         if self.launched_first:
@@ -169,8 +189,10 @@ class AgreedAllReduce:
         else:
             outcome = ("gloo would pair them anyway -- another size ends every process, another dtype or op gives "
                        "garbage -- so it was launched on no rank, and the group stays usable")
-        raise PartMismatchError(f"the ranks' tensors differ ({listed}); {outcome}. Pass tensors of one size and "
-                                "dtype, and one op, on every rank")
+        advice = ("Issue the same collective, with tensors of one size and dtype and one op, on every rank"
+                  if kinds_differ else "Pass tensors of one size and dtype, and one op, on every rank")
+        differ = "collectives" if kinds_differ else "tensors"
+        raise PartMismatchError(f"the ranks' {differ} differ ({listed}); {outcome}. {advice}")
 
 
 def _peer(which: str, rank: int, group) -> dict:

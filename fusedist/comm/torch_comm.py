@@ -329,11 +329,12 @@ class TorchCommunicator(Communicator):
             return dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
         return self._gloo_all_reduce_of(op)(tensor)
 
-    def _gloo_all_reduce_of(self, op: str):
+    def _gloo_all_reduce_of(self, op: str, kind: str = "all_reduce"):
         """Start gloo's own all-reduce of a CPU tensor with ``op``, its parts agreed across ranks (Note [parts
         agreed before gloo's own all-reduce] in part_agreement.py) unless FUSEDIST_AGREE_PARTS=0: a function of
         the tensor. (gloo's own reduce-scatter is such an all-reduce: ranks that passed different ops each went
-        on with a result folded by both.)"""
+        on with a result folded by both; ``kind`` says which collective it serves, Note [the collective's kind
+        in a fingerprint].)"""
         def start(tensor):
             launch = functools.partial(dist.all_reduce, tensor, op=_OPS[op], group=self.group, async_op=True)
             if not self.agree_parts:
@@ -341,7 +342,7 @@ class TorchCommunicator(Communicator):
             group = self._group_timeout()
             limit = min(self.timeout.total_seconds(), group if group is not None else float("inf"))
             return AgreedAllReduce(tensor, op, self._seq.last, self.group, self.rank, self.world_size, launch,
-                                   launch_now=self._launching_async, limit_s=limit)
+                                   launch_now=self._launching_async, limit_s=limit, kind=kind)
         return start
 
     # Note [small all-reduces through the exchange]
@@ -404,7 +405,8 @@ class TorchCommunicator(Communicator):
             return self.exchange.reduce_scatter(output, input, op, seq=self._seq.last, label=self.last_label)
         if "gloo" in str(self.backend) and output.device.type == "cpu":
             # FUSEDIST_GLOO_COLLECTIVES=builtin (or a dtype the exchange does not reduce)
-            return _GlooReduceScatter(output, input, self._gloo_all_reduce_of(op), self.rank, self.world_size)
+            return _GlooReduceScatter(output, input, self._gloo_all_reduce_of(op, "reduce_scatter"), self.rank,
+                                      self.world_size)
         return _reduce_scatter_flat(output, input, op=_OPS[op], group=self.group, async_op=True)
 
     def _all_gather(self, output, input):

@@ -116,9 +116,9 @@ TINY_DEEPSEEK_V3 = {  # latent attention, a dense first block, routed experts an
     "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "max_position_embeddings": 64, "vocab_size": 128}
 
 
-TINY_ALTERNATING = {  # dense blocks 0 and 2, MoE blocks 1 and 3 (decoder_sparse_step 2); windows on 2 and 3
+TINY_ALTERNATING = {  # dense blocks 0 and 2, MoE blocks 1 and 3 (decoder_sparse_step 2); windows on 0 and 2
     **TINY_QWEN2_MOE, "intermediate_size": 32, "moe_intermediate_size": 64, "num_hidden_layers": 4, "vocab_size": 64,
-    "decoder_sparse_step": 2, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}
+    "decoder_sparse_step": 2, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3}
 
 
 MOE_CONFIGS = {"qwen2_moe": TINY_QWEN2_MOE, "deepseek_v3": TINY_DEEPSEEK_V3, "alternating-windowed": TINY_ALTERNATING}

@@ -44,7 +44,8 @@ HF_MODEL_TYPES = {
     "gemma3_text": {"tie": True, "head_dim": 256, "sandwich_norm": True, "qk_norm": True,
                     "keys": ("head_dim", "attention_bias"), "window": ("gemma3", 4096), "softcap": (None, None)},
     "mixtral": {"tie": False, "moe": "mixtral", "keys": ("head_dim",), "window": ("all", None)},
-    "qwen2_moe": {"tie": False, "qkv_bias": True, "moe": "qwen2_moe", "keys": ("qkv_bias",), "window": ("qwen", 4096)},
+    "qwen2_moe": {"tie": False, "qkv_bias": True, "moe": "qwen2_moe", "keys": ("qkv_bias",),
+                  "window": ("qwen2_moe", 4096)},
     "qwen3_moe": {"tie": False, "head_dim": "required", "qk_norm": True, "moe": "qwen3_moe",
                   "keys": ("head_dim", "attention_bias"), "window": ("qwen", 4096)},
     "falcon": {"tie": True, "keys": ()},  # its own keys: _falcon
@@ -252,7 +253,15 @@ def _experts(cfg: dict, path: str, kind: str, layers: int, ffn: int) -> dict:
     experts of ``moe_intermediate_size``; Qwen2-MoE adds a gated shared expert. DeepSeek: the
     block ``i`` is sparse when ``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``,
     with ``n_shared_experts`` ungated shared experts of ``moe_intermediate_size`` (one MLP of
-    their summed width, as DeepseekV3MoE builds it)."""
+    their summed width, as DeepseekV3MoE builds it).
+
+    Note [moe_layer_freq]
+        DeepSeek's own modeling code (shipped with its checkpoints) applies ``moe_layer_freq``;
+        transformers' DeepseekV2/V3 decoder layers ignore it (sparse wherever ``i >=
+        first_k_dense_replace``). Every released config says 1, where the two agree. A config
+        with another value is counted by DeepSeek's rule, the one that wrote such weights, and
+        the plan says so (``moe_layer_freq`` in its model, and its model line), so that neither
+        reading is given silently."""
     if kind == "mixtral":
         return {"experts": _positive_int(cfg, "num_local_experts", path, required=True),
                 "experts_per_token": _positive_int(cfg, "num_experts_per_tok", path, required=True),
@@ -268,6 +277,7 @@ def _experts(cfg: dict, path: str, kind: str, layers: int, ffn: int) -> dict:
                 "experts_per_token": _positive_int(cfg, "num_experts_per_tok", path, required=True),
                 "expert_ffn": expert_ffn,
                 "shared_ffn": expert_ffn * (_positive_int(cfg, "n_shared_experts", path) or 0),
+                **({"moe_layer_freq": freq} if freq != 1 else {}),  # said in the plan: Note [moe_layer_freq]
                 **_dense_ids([i for i in range(layers) if i < first or i % freq])}
     out = {"experts": _positive_int(cfg, "num_experts", path, required=True),
            "experts_per_token": _positive_int(cfg, "num_experts_per_tok", path, required=True),
@@ -304,12 +314,15 @@ def _window(cfg: dict, path: str, rule: str, default: Optional[int], layers: int
     or none by default, is full attention everywhere): MistralAttention, MixtralAttention and
     Phi3Attention hand ``config.sliding_window`` to every block; Qwen2Config, Qwen3Config,
     Qwen2MoeConfig and Qwen3MoeConfig null the window without ``use_sliding_window`` and
-    default ``layer_types`` by ``max_window_layers``; Gemma2Config and Gemma3TextConfig by
-    ``(i + 1) % 2`` and ``(i + 1) % sliding_window_pattern``:
+    default ``layer_types`` by ``max_window_layers`` (Qwen2MoeConfig by the parity of ``i`` too);
+    Gemma2Config and Gemma3TextConfig by ``(i + 1) % 2`` and ``(i + 1) % sliding_window_pattern``:
 
     * ``all`` (Mistral, Mixtral, Phi-3): every block, ``sliding_window``;
-    * ``qwen`` (Qwen2/3, Qwen2/3-MoE): only with ``use_sliding_window`` (default false, as in
+    * ``qwen`` (Qwen2/3, Qwen3-MoE): only with ``use_sliding_window`` (default false, as in
       every released Qwen config), the blocks ``i >= max_window_layers`` (default 28);
+    * ``qwen2_moe``: only with ``use_sliding_window``, the even blocks below ``max_window_layers``
+      (``(i + 1) % 2 and i < max_window_layers``, Qwen2MoeConfig's default ``layer_types`` in
+      transformers 5, which Qwen2MoeAttention and the model's masks follow block by block);
     * ``gemma2``: the even blocks (``(i + 1) % 2``), the odd ones global;
     * ``gemma3``: the blocks with ``(i + 1) % sliding_window_pattern`` (default 6), every
       sixth global.
@@ -317,7 +330,7 @@ def _window(cfg: dict, path: str, rule: str, default: Optional[int], layers: int
     A ``layer_types`` list (newer Qwen and Gemma configs) names each block's attention and
     takes precedence over the pattern, as in those classes."""
     window = cfg["sliding_window"] if "sliding_window" in cfg else default
-    if rule == "qwen" and not _flag(cfg, "use_sliding_window", path):
+    if rule in ("qwen", "qwen2_moe") and not _flag(cfg, "use_sliding_window", path):
         window = None
     if window is None:
         return {}
@@ -329,6 +342,9 @@ def _window(cfg: dict, path: str, rule: str, default: Optional[int], layers: int
     elif rule == "qwen":
         first = _whole(cfg, "max_window_layers", path, 28)
         ids = range(first, layers)
+    elif rule == "qwen2_moe":
+        below = _whole(cfg, "max_window_layers", path, 28)
+        ids = [i for i in range(min(below, layers)) if (i + 1) % 2]
     elif rule == "gemma2":
         ids = range(0, layers, 2)
     else:

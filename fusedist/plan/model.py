@@ -100,6 +100,7 @@ import dataclasses
 from typing import Optional
 
 from .errors import PlanError
+from .norm_bytes import block_norm_bytes, final_norm_bytes
 
 ARCHS = ("gpt", "llama")  # the shape flags' --arch
 BLOCKS = (*ARCHS, "falcon")  # and what a config.json may give
@@ -139,6 +140,7 @@ class ModelSpec:
     v_head_dim: Optional[int] = None  # latent attention: the value head size
     shared_norm: bool = False  # falcon: one LayerNorm before both (parallel_attn only)
     dense_ids: Optional[tuple] = None  # which blocks are the dense_layers; None: the first ones (DeepSeek's)
+    moe_layer_freq: Optional[int] = None  # DeepSeek's when not 1 (shown: transformers' DeepSeek classes ignore it)
     sliding_window: Optional[int] = None  # keys a windowed block's query attends (Note [sliding windows])
     window_layers: tuple = ()  # the blocks with that window; the others attend every earlier key
     attn_softcap: Optional[float] = None  # cap · tanh(scores / cap) before the softmax (Note [soft-capping])
@@ -450,7 +452,8 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
       dropout mask 1, the dropout's output 2);
     * MLP 19h: the first linear's input h, the GELU's input 4h, the second linear's input 4h,
       the dropout mask h;
-    * the two LayerNorms' inputs 4h.
+    * the two LayerNorms' inputs 4h (an RMSNorm keeps more: its fp32 rows, the normalised rows
+      and an fp32 ``rstd``, Note [what a norm keeps] in fusedist/plan/norm_bytes.py).
 
     The same tensors for other blocks: with grouped-query attention K and V are ``kv_dim``
     wide and Q and the attention output ``q_dim`` (``heads · head_dim``); the MLP's are
@@ -467,13 +470,14 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     embedding's dropout mask ``s·b·h``, the final norm's and output layer's inputs
     ``4·s·b·h``, fp32 logits ``4·s·b·v``. Everything divided by ``t`` under tensor parallelism
     *with* sequence parallelism (eq. 5; without it the norms' and dropouts' ``10·s·b·h``
-    would not be divided). fp32 activations: the 2-byte tensors double, the masks stay.
+    would not be divided). fp32 activations: the 2-byte tensors double, the masks (and an
+    RMSNorm's fp32 rows and rstd) stay.
     Unfused attention: with flash attention the ``5·a·s²·b`` term is not stored, about the
     selective figure without recomputation. Per token, a mixture-of-experts block keeps the
     router's fp32 probabilities, the routing's indices and weights and, for each routed
     expert it goes to, its copy of the input, the SwiGLU's four tensors and the expert's
     output (and the shared expert's four; :func:`_moe_mlp_tensors`); q/k norms and sandwich
-    norms keep their inputs; soft-capping keeps tanh's output (Note [soft-capping]).
+    norms keep what a norm keeps; soft-capping keeps tanh's output (Note [soft-capping]).
     """
     if not spec.has_shape:
         return None
@@ -499,12 +503,13 @@ def input_side_bytes(spec: ModelSpec, micro_batch: int, seq: int) -> int:
 
 
 def output_side_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str) -> int:
-    """The final norm's and output layer's inputs and the fp32 logits, ``4·s·b·h + 4·s·b·v``
-    in 16-bit (Section 4.3): the last pipeline stage's."""
+    """The final norm's tensors, the output layer's input and the fp32 logits, ``4·s·b·h + 4·s·b·v``
+    in 16-bit under a LayerNorm (Section 4.3; an RMSNorm keeps more, Note [what a norm keeps]):
+    the last pipeline stage's."""
     word = 4 if precision == "fp32" else 2
     sb = seq * micro_batch
     capped = word * sb * spec.vocab if spec.final_softcap is not None else 0  # tanh's output (Note [soft-capping])
-    return 2 * word * sb * spec.hidden + 4 * sb * spec.vocab + capped
+    return sb * (final_norm_bytes(spec, word) + word * spec.hidden) + 4 * sb * spec.vocab + capped
 
 
 def recomputed_layer_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
@@ -524,14 +529,13 @@ def _block_bytes(spec: ModelSpec, b: int, s: int, precision: str, kept: str) -> 
     word = 4 if precision == "fp32" else 2
     v_dim = spec.o_dim if spec.kv_lora_rank is not None else spec.kv_dim  # latent attention: V per head
     attn = h + spec.q_dim + spec.kv_dim + v_dim + spec.o_dim  # q/k/v input, Q, K, V and o's input
-    attn += (spec.q_dim + spec.kv_dim) * spec.qk_norm  # the q/k norms' inputs
-    norms = (4 if spec.sandwich_norm else 1 if spec.shared_norm else 2) * h
+    norms = block_norm_bytes(spec, word)  # the norms' tensors, q/k norms' too (Note [what a norm keeps])
     masks = 2 * h  # attention output and MLP dropout masks, 1 byte each
 
     def per_layer(mlp, other=0):
         if kept == "full":
             return word * sb * h
-        n = word * sb * (attn + mlp + norms) + sb * (masks + other)
+        n = word * sb * (attn + mlp) + sb * (norms + masks + other)
         if kept != "selective":
             # softmax output, dropout output (2 bytes each in 16-bit), dropout mask (1 byte)
             n += (2 * word + 1) * a * s * s * b

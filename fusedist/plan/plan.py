@@ -347,6 +347,10 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                                         "flash attention)", spec.attn_softcap),
                                        ("the logits' s x vocab in the activations' dtype", spec.final_softcap))
                 if cap is not None))
+    if spec.has_shape and spec.arch == "llama":  # Note [what a norm keeps] in norm_bytes.py
+        inputs["assumptions"]["activations"] += (
+            "; an RMSNorm keeps its rows in fp32, the normalised rows and an fp32 rstd a row (transformers' "
+            "Llama RMSNorm: 6h + 4 bytes a token in bf16, where a LayerNorm keeps its 2h input)")
     if spec.windowed_layers(job.seq):
         inputs["assumptions"]["activations"] += ("; a sliding window stores the same tensors (the unfused "
                                                  "softmax is s x s whatever the mask)")

@@ -39,11 +39,21 @@ def model_line(plan: dict) -> str:
                     + (f", a shared one of {m['shared_ffn']}" if m.get("shared_ffn") else "")
                     + (f", {m['dense_layers']} dense layers" if m.get("dense_layers") else "") + ")"
                     if m.get("experts") is not None else "")
+                 + _moe_freq_text(m)
                  + _window_text(i) + _softcap_text(m)
                  + f", vocab {m['vocab']}" + (", tied" if m.get("tied") else ""))
     if m.get("source", "shape") not in ("shape", "params"):
         line += f"; from {m['source']}"
     return line
+
+
+def _moe_freq_text(m: dict) -> str:
+    """DeepSeek's moe_layer_freq, which transformers' classes ignore (Note [moe_layer_freq] in hf_config.py)."""
+    freq = m.get("moe_layer_freq")
+    if freq is None:
+        return ""
+    return (f", experts on one block in {freq} (moe_layer_freq {freq}, as DeepSeek's modeling code; "
+            "transformers' DeepseekV2/V3 ignore it and put experts on every block from first_k_dense_replace)")
 
 
 def _window_text(i: dict) -> str:

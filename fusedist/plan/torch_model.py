@@ -36,6 +36,22 @@ from torch import nn
 from .model import ModelSpec
 
 
+class RMSNorm(nn.Module):
+    """transformers' Llama RMSNorm (Mistral's, Qwen's and DeepSeek's are the same): the rows in
+    fp32, cast back before the weight, on every device; torch's nn.RMSNorm keeps other tensors
+    on CUDA than elsewhere (Note [what a norm keeps] in fusedist/plan/norm_bytes.py)."""
+
+    def __init__(self, width: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.to(torch.float32)
+        normed = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
 class Experts(nn.Module):
     """Router, ``experts`` SwiGLU MLPs (gate and up as one matrix) and the optional gated
     shared expert of a mixture-of-experts block."""
@@ -95,12 +111,12 @@ class LatentAttention(nn.Module):
         self.heads, self.head_dim, self.rank = spec.heads, spec.head_size, r
         self.rope, self.v_dim = spec.rope_head_dim, spec.v_head_dim
         if qr:
-            self.q = nn.Sequential(nn.Linear(h, qr, bias=spec.qkv_bias), nn.RMSNorm(qr),
+            self.q = nn.Sequential(nn.Linear(h, qr, bias=spec.qkv_bias), RMSNorm(qr),
                                    nn.Linear(qr, spec.q_dim, bias=False))
         else:
             self.q = nn.Linear(h, spec.q_dim, bias=False)
         self.kv_a = nn.Linear(h, r + self.rope, bias=spec.qkv_bias)
-        self.kv_norm = nn.RMSNorm(r)
+        self.kv_norm = RMSNorm(r)
         self.kv_b = nn.Linear(r, spec.heads * (self.head_dim - self.rope + self.v_dim), bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,12 +147,12 @@ class Block(nn.Module):
         self.q_dim, self.kv_dim = spec.q_dim, spec.kv_dim
         self.gpt = spec.arch == "gpt"
         self.gelu, self.parallel = spec.arch != "llama", spec.parallel_attn
-        norm = nn.LayerNorm if self.gelu else nn.RMSNorm
+        norm = nn.LayerNorm if self.gelu else RMSNorm
         self.norm1 = norm(h)
         self.norm2 = None if spec.shared_norm else norm(h)  # Falcon-7B: norm1 feeds the MLP too
         # Gemma-2/3 normalise the attention's and the MLP's outputs too
         self.post1, self.post2 = (norm(h), norm(h)) if spec.sandwich_norm else (nn.Identity(), nn.Identity())
-        self.q_norm, self.k_norm = ((nn.RMSNorm(self.head_dim), nn.RMSNorm(self.head_dim)) if spec.qk_norm
+        self.q_norm, self.k_norm = ((RMSNorm(self.head_dim), RMSNorm(self.head_dim)) if spec.qk_norm
                                     else (nn.Identity(), nn.Identity()))
         self.latent = LatentAttention(spec) if spec.kv_lora_rank is not None else None
         if self.latent is None:
@@ -213,7 +229,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(spec, moe=spec.is_moe_block(i),
                                           window=spec.sliding_window if i in spec.window_layers else None)
                                     for i in range(spec.layers))
-        self.norm = nn.RMSNorm(h) if spec.arch == "llama" else nn.LayerNorm(h)
+        self.norm = RMSNorm(h) if spec.arch == "llama" else nn.LayerNorm(h)
         self.head = None if spec.tied_embeddings else nn.Linear(h, spec.vocab, bias=False)
         self.final_softcap = spec.final_softcap
 

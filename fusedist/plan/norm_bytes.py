@@ -1,0 +1,59 @@
+"""Bytes a model's norms keep for backward, per token (Note [what a norm keeps]): the part of
+:func:`fusedist.plan.model.activation_bytes` that differs between LayerNorm and RMSNorm.
+
+Note [what a norm keeps]
+    RMSNorm as transformers writes it for Llama, Mistral, Qwen and DeepSeek (and as the model
+    ``--measure`` trains has it, fusedist/plan/torch_model.py's ``RMSNorm``): the rows upcast
+    to fp32, ``x · rsqrt(mean(x²) + eps)``, cast back to the activations' dtype, times the
+    weight. Autograd keeps the fp32 rows (for the square and the product; in fp32 the upcast
+    is the input itself), the fp32 ``rstd`` of each row, and the normalised rows in the
+    activations' dtype (for the weight's gradient): ``(4 + word)·width + 4`` bytes a row,
+    ``6·h + 4`` a token in bf16 and ``8·h + 4`` in fp32, where the LayerNorm of Korthikanti et
+    al. keeps its ``word·h`` input. A q/k norm normalises each head's row: ``heads`` rows a
+    token. Gemma's RMSNorm multiplies in fp32 and keeps fp32 normalised rows (``2·h`` more in
+    bf16); it is counted as Llama's.
+
+    torch's ``nn.RMSNorm`` is not what is counted, nor used by --measure: on CUDA it runs a
+    fused kernel that keeps the input and ``rstd`` (``2·h + 4`` in bf16), elsewhere its
+    composite keeps the fp32 rows, ``rstd`` and the fp32 normalised rows (``8·h + 4`` in bf16
+    and fp32), so what it keeps depends on the device.
+
+    LayerNorm (``native_layer_norm`` on every device) keeps its input and a mean and an
+    ``rstd`` per row. The two per-row statistics are left out, as the paper leaves them out:
+    their width depends on the device (fp32 on CUDA, the input's dtype on CPU) and they are
+    8 bytes a token against the input's ``2·h``.
+"""
+
+from __future__ import annotations
+
+_FP32 = 4
+
+
+def rms_norm_bytes(width: int, rows: int, word: int) -> int:
+    """Bytes an RMSNorm keeps per token over ``rows`` rows of ``width`` (Note [what a norm keeps])."""
+    return rows * ((_FP32 + word) * width + _FP32)
+
+
+def layer_norm_bytes(width: int, word: int) -> int:
+    """Bytes a LayerNorm keeps per token: its input (the per-row statistics left out)."""
+    return word * width
+
+
+def block_norm_bytes(spec, word: int) -> int:
+    """Bytes one block's norms keep per token: the two before attention and MLP (one when
+    Falcon-7B shares it), Gemma's two after them, and the q/k norms over each head."""
+    h = spec.hidden
+    count = 4 if spec.sandwich_norm else 1 if spec.shared_norm else 2
+    if spec.arch != "llama":
+        return count * layer_norm_bytes(h, word)
+    n = count * rms_norm_bytes(h, 1, word)
+    if spec.qk_norm:
+        n += rms_norm_bytes(spec.head_size, spec.heads, word) + rms_norm_bytes(spec.head_size, spec.kv, word)
+    return n
+
+
+def final_norm_bytes(spec, word: int) -> int:
+    """Bytes the final norm keeps per token."""
+    if spec.arch == "llama":
+        return rms_norm_bytes(spec.hidden, 1, word)
+    return layer_norm_bytes(spec.hidden, word)

@@ -351,6 +351,14 @@ def _bad_input_worker(rank, world_size):
         fusedist.DistributedDataParallel(nn.Linear(2, 2), device_ids=[0])
     except ValueError as exc:
         errors["device_ids"] = str(exc)
+    # output_device alone on CPU: torch's DDP refuses it (its test: output_device=0 passes); it was ignored
+    for ddp in (torch.nn.parallel.DistributedDataParallel, fusedist.DistributedDataParallel):
+        for given in (0, 1):
+            try:
+                ddp(nn.Linear(2, 2), output_device=given)
+                errors[f"output_device={given} {ddp.__module__}"] = "accepted"
+            except ValueError as exc:
+                errors[f"output_device={given} {ddp.__module__}"] = str(exc)
     try:
         fusedist.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1)
     except ValueError as exc:
@@ -397,6 +405,15 @@ def _bad_input_worker(rank, world_size):
         fusedist.DistributedDataParallel(nn.Linear(2, 2), mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
     except NotImplementedError as exc:
         errors["mp cast"] = str(exc)
+    # not a _MixedPrecision (a string, a dict): torch's DDP fails on it; fusedist read it with defaults
+    # and trained in float32 without a word
+    for given in ("bf16", {"reduce_dtype": torch.bfloat16}):
+        for ddp in (torch.nn.parallel.DistributedDataParallel, fusedist.DistributedDataParallel):
+            try:
+                ddp(nn.Linear(2, 2), mixed_precision=given)
+                errors[f"mp {type(given).__name__} {ddp.__module__}"] = "accepted"
+            except (AttributeError, TypeError) as exc:
+                errors[f"mp {type(given).__name__} {ddp.__module__}"] = f"{type(exc).__name__}: {exc}"
     model._set_static_graph()  # accepted, as static_graph=True is
     # (an nn.Embedding(sparse=True) trains: its gradient is averaged apart; a sparse gradient
     # from elsewhere reaches the buckets)
@@ -413,7 +430,12 @@ def _bad_input_worker(rank, world_size):
 
 def test_bad_input_messages(launched):
     for errors in results_of(launched, "bad input"):
-        assert "device_ids=None for CPU" in errors["device_ids"]
+        assert "device_ids=None for CPU" in errors["device_ids"] and "(rank " in errors["device_ids"]
+        for module in ("torch.nn.parallel.distributed", "fusedist.ddp.wrapper"):
+            assert errors[f"output_device=0 {module}"] == "accepted"
+        assert "output_device 1" in errors["output_device=1 torch.nn.parallel.distributed"]
+        ours = errors["output_device=1 fusedist.ddp.wrapper"]
+        assert "output_device=1 given for a module on cpu" in ours and "device_ids=None for CPU" in ours, ours
         assert "bucket_cap_mb must be a number of MiB >= 0" in errors["cap"]
         assert "not_an_option" in errors["kwarg"]
         assert "sparse gradient" in errors["sparse"] and "'weight'" in errors["sparse"]
@@ -425,6 +447,11 @@ def test_bad_input_messages(launched):
         assert errors["join"] == "ok"
         assert errors["mp none"] == "None" and errors["mp reduce"] == "torch.bfloat16"
         assert "param_dtype" in errors["mp cast"] and "torch.autocast" in errors["mp cast"]
+        for given in ("str", "dict"):
+            assert errors[f"mp {given} torch.nn.parallel.distributed"].startswith("AttributeError")
+            ours = errors[f"mp {given} fusedist.ddp.wrapper"]
+            assert ours.startswith("TypeError") and "mixed_precision must be torch's" in ours, ours
+            assert f"got {given} " in ours and "reduce_dtype=torch.bfloat16" in ours and "(rank " in ours, ours
 
 
 # ---------------------------------------------------------------- the shared launch (two ranks)

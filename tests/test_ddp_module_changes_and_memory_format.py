@@ -20,6 +20,9 @@
   hook] in fusedist/ddp/module_tree.py).
 * After a parameterless entry is inserted into or deleted from a ModuleList, messages name the later
   entries' parameters by their current paths, not by those they were wrapped under.
+* ``model.module`` replaced after wrapping by a module of other Parameters is refused at the assignment
+  (torch's DDP trains them on each rank's own gradients); one around the same Parameters trains as one
+  process (Note [the wrapped module replaced] in fusedist/ddp/module_swap.py).
 * A forward output whose tensors sit in a plain object, with ``find_unused_parameters=True``: the
   error says which containers the wrapper searches.
 """
@@ -381,6 +384,73 @@ def _boxed_output(rank, world):
     return "trained"
 
 
+class _Around(nn.Module):
+    """A module around the wrapped one (its Parameters), with a buffer of its own."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        return self.inner(x) * self.scale
+
+
+def _module_swapped(rank, world):
+    """``model.module = other`` after wrapping: torch's DDP trains the new Parameters on each rank's
+    gradients (the ranks drift apart); fusedist refuses a module of other Parameters at the assignment
+    and takes one around the same Parameters, training as one process on the global batch (its own
+    buffer broadcast from rank 0, as the module's)."""
+    import copy
+
+    import fusedist
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    batches = [torch.randn(6, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    out = {}
+
+    def train(model, rows=slice(3 * rank, 3 * rank + 3)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in batches:
+            model(x[rows]).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def ranks_equal(flat):
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        torch.distributed.all_gather(everyone, flat)
+        return all(torch.equal(everyone[0], f) for f in everyone)
+
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    theirs.module = copy.deepcopy(theirs.module)
+    out["torch ranks equal"] = ranks_equal(train(theirs))
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
+    try:
+        ours.module = copy.deepcopy(ours.module)
+        out["refused"] = "taken"
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    ours = fusedist.DistributedDataParallel(copy.deepcopy(base))
+    ours.module = _Around(ours.module)
+    ours.module.scale.fill_(1.0 + rank)  # rank 0's value is the model's
+    flat = train(ours)
+    out["ours ranks equal"] = ranks_equal(flat)
+    out["error"] = (flat - train(_Around(copy.deepcopy(base)), rows=slice(None))).abs().max().item()
+    return out
+
+
+def test_wrapped_module_replaced_by_other_parameters_is_refused(shared_launch):
+    for out in results_of(shared_launch, "module swapped"):
+        assert not out["torch ranks equal"]  # (why it is refused)
+        msg = out["refused"]
+        assert "model.module was replaced after wrapping by a Sequential" in msg, msg
+        assert "4 parameter(s) the wrapper was not built with: ['0.weight'" in msg, msg
+        assert "4 of the wrapped parameters missing" in msg and "torch.compile(model.module)" in msg, msg
+        assert out["ours ranks equal"] and out["error"] < 1e-6, out
+
+
 @pytest.fixture(scope="module")
 def shared_launch(request):
     return launch_for_selected(request, {
@@ -392,6 +462,7 @@ def shared_launch(request):
         "test_submodule_written_into_modules_directly_is_refused_naming_it": {
             "written": (_written_submodules, ())},
         "test_messages_name_parameters_by_their_current_paths": {"current names": (_current_names, ())},
+        "test_wrapped_module_replaced_by_other_parameters_is_refused": {"module swapped": (_module_swapped, ())},
     }, world=2, timeout=180)
 
 

@@ -51,6 +51,23 @@ def test_delayed_all_reduce_options_given_alone_are_refused_as_torch_refuses_the
             ddp(module, **{given: value})
 
 
+def test_device_arguments_without_device_ids_are_read_as_torch_reads_them():
+    """torch's DDP refuses ``output_device`` (truthy: ``output_device=0`` passes its test) where no
+    ``device_ids`` apply -- a CPU module, or none given -- and reads ``device_ids=[]`` as None
+    (``DistributedDataParallel.__init__``); fusedist ignored the first and refused the second.
+    The check is a function of the module's device, so a CUDA device is named without one."""
+    from fusedist.ddp.arguments import check_device_ids
+
+    gpu = torch.device("cuda", 0)
+    check_device_ids(gpu, [], None)
+    check_device_ids(gpu, None, 0)
+    check_device_ids(gpu, [0], 0)
+    with pytest.raises(ValueError, match=r"output_device=1 given for a module on cuda:0; pass device_ids=\[0\]"):
+        check_device_ids(gpu, None, 1)
+    with pytest.raises(ValueError, match="output_device=1 given for a module on cpu; pass device_ids=None"):
+        check_device_ids(torch.device("cpu"), None, 1)
+
+
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()

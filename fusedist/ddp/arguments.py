@@ -45,16 +45,27 @@ def reduce_dtype_from_mixed_precision(mixed_precision, reduce_dtype):
     is fusedist's; casting parameters or buffers for the forward is not done here."""
     if mixed_precision is None:
         return reduce_dtype
-    param_dtype = getattr(mixed_precision, "param_dtype", None)
-    buffer_dtype = getattr(mixed_precision, "buffer_dtype", None)
+    fields = ("param_dtype", "reduce_dtype", "buffer_dtype")
+    if not all(hasattr(mixed_precision, f) for f in fields):
+        # (read with defaults, a string or a dict passed its reduce_dtype by without a word; torch's
+        # DDP fails on it with an AttributeError)
+        raise TypeError(
+            f"fusedist.DistributedDataParallel (rank {this_rank()}): mixed_precision must be torch's "
+            f"torch.nn.parallel.distributed._MixedPrecision (attributes {', '.join(fields)}), got "
+            f"{type(mixed_precision).__name__} {mixed_precision!r:.80}; for a narrower gradient reduction "
+            "pass mixed_precision=_MixedPrecision(reduce_dtype=torch.bfloat16) or reduce_dtype=torch.bfloat16"
+        )
+    param_dtype = mixed_precision.param_dtype
+    buffer_dtype = mixed_precision.buffer_dtype
     if param_dtype is not None or buffer_dtype is not None:
         raise NotImplementedError(
-            "fusedist.DistributedDataParallel: mixed_precision with param_dtype/buffer_dtype (forward "
+            f"fusedist.DistributedDataParallel (rank {this_rank()}): mixed_precision with param_dtype/buffer_dtype "
+            f"(param_dtype={param_dtype}, buffer_dtype={buffer_dtype}: a forward "
             "in a cast copy of the parameters) is not supported; run the forward under torch.autocast, "
             "or cast the module and keep FP32 master weights in the optimizer "
             "(fusedist.optim.FusedAdamW(master_weights=True)). Its reduce_dtype maps to reduce_dtype=."
         )
-    mp_reduce = getattr(mixed_precision, "reduce_dtype", None)
+    mp_reduce = mixed_precision.reduce_dtype
     if reduce_dtype is not None and mp_reduce is not None and mp_reduce != reduce_dtype:
         raise ValueError(f"fusedist.DistributedDataParallel: reduce_dtype={reduce_dtype} and "
                          f"mixed_precision.reduce_dtype={mp_reduce} disagree; pass one of them")
@@ -134,12 +145,16 @@ def module_device(module: nn.Module) -> torch.device:
 
 def check_device_ids(device: torch.device, device_ids, output_device) -> None:
     """``device_ids`` as torch takes them for a single-device module: None on CPU, the
-    module's own device on CUDA."""
-    if device.type == "cpu":
-        if device_ids:
+    module's own device on CUDA. ``output_device`` without ``device_ids`` (or on CPU) is refused
+    as torch refuses it (where it was ignored), by torch's test: ``output_device=0`` passes it."""
+    if device.type == "cpu" or not device_ids:  # (torch reads device_ids=[] as None)
+        if device_ids or output_device:
+            where = ("pass device_ids=None for CPU modules" if device.type == "cpu"
+                     else f"pass device_ids=[{device.index}] with it, or leave output_device out")
             raise ValueError(
-                f"fusedist.DistributedDataParallel: device_ids={device_ids} given for a module on "
-                "CPU; pass device_ids=None for CPU modules"
+                f"fusedist.DistributedDataParallel (rank {this_rank()}): device_ids={device_ids} and "
+                f"output_device={output_device} given for a module on {device}; {where} (as torch's DDP, "
+                "which refuses them too)"
             )
         return
     if device_ids is not None:

@@ -31,7 +31,7 @@ class DDPConfig:
     broadcast_buffers: bool = True
     """Broadcast buffers (e.g. BatchNorm running stats) from rank 0 at a forward that follows
     a synchronized training forward (torch's rule and default), so every rank evaluates with
-    the same statistics (Note [when buffers are broadcast] in wrapper.py)."""
+    the same statistics (Note [when buffers are broadcast] in buffer_broadcast.py)."""
 
     find_unused_parameters: bool = False
     """Tolerate parameters that receive no gradient in an iteration: their bucket slots are

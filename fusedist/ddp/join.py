@@ -234,7 +234,7 @@ def before_forward(ddp) -> None:
     state = ddp._join_state
     if state is None:  # torch's Join built without our hook: treat as dividing by the world size
         state = ddp._join_state = DDPJoinState(ddp, True)
-    # Note [when buffers are broadcast] in wrapper.py holds here too: torch's join broadcasts at a
+    # Note [when buffers are broadcast] in buffer_broadcast.py holds here too: torch's join broadcasts at a
     # forward only after a synchronized one, not at every micro-batch of a no_sync accumulation.
     wants = bool(ddp.config.broadcast_buffers and ddp._buffers_due and ddp.module.training and ddp._module_buffers())
     ddp._buffers_due = sync

@@ -73,6 +73,10 @@ class ModuleTree:
         present = set(map(id, self.parents)) | set(map(id, self.leaves))
         return [m for m in before if id(m) not in present]
 
+    def forget(self) -> None:
+        """Have the next comparison differ (the tree's root was replaced)."""
+        self.children = None
+
     def unchanged(self) -> bool:
         """Whether no ``_modules`` dict of the tree changed (flat comparisons, by identity)."""
         return self._now() == self.children and not any(map(len, map(_CHILDREN, self.leaves)))

@@ -35,7 +35,7 @@ from .prepared import refuse_compiled_autograd
 from .rebucket import rebuild_from_observed, switch_layout
 from .backward_stats import backward_stats
 from .strategy import AllReduceAverage, GradSyncStrategy
-from .trainable import apply_change as apply_trainable_change
+from .trainable_rebucket import apply_change as apply_trainable_change
 from .static_graph import ArrivalCounts, check_all_arrived
 from .unused import mark_known_unused, raise_graph_changed, settle_unused, unused_without_find_unused
 from .events import EngineObserver

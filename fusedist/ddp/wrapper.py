@@ -15,18 +15,19 @@ from torch.utils.hooks import RemovableHandle
 
 from ..ownership import data_parallel_owner, register_data_parallel, register_step_watch, register_wrapped_module
 from .._timeline import Timeline
-from .._wrapper import plain_parts
 from ..comm import get_communicator
 from . import dcp_names
 from . import join as _join
 from .agreement import check_layout_agrees, check_model_agrees, check_reduction_agrees
 from .arguments import (buffer_sync_settings, check_device_ids, group_of, module_device,
                         reduce_dtype_from_mixed_precision, refuse_dtensors)
+from .buffer_broadcast import BufferBroadcast
 from .comm_hook import register_builtin_comm_hook, register_comm_hook
 from .config import DDPConfig, first_bucket_cap
 from .copies import construction_checks, copy_wrapper
 from .grad_hook import still_in_order
 from .logging_data import bucket_sizes
+from .module_swap import swap_module
 from .prepared import arm_again_through, refuse_compiled_autograd
 from .reducer import Reducer
 from .sparse import SparseGradients, sparse_parameter_ids
@@ -78,7 +79,7 @@ def _supersede_owners(params, newer) -> list:
     return list(older.values())
 
 
-class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joinable):
     """Data parallelism with bucketed gradient all-reduce overlapped with backward.
 
     Same use as torch's: wrap the model, call it, ``loss.backward()`` returns averaged
@@ -233,7 +234,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         # Note [trainable set changes]: requires_grad toggled after wrapping is followed.
         self.reducer.tracker = TrainableTracker(module, self)
         self._no_sync_depth = 0  # 0: backwards reduce (require_backward_grad_sync)
-        self._buffers_due = True  # Note [when buffers are broadcast]: the first forward broadcasts
+        self._buffers_due = True  # the first forward broadcasts (Note [when buffers are broadcast])
         self._comm_hook: Optional[str] = None  # the torch hook registered, by name (register_comm_hook)
         self._param_waiters: list = []  # Note [hooks inside compiled modules]
         self._join_config = _join.DISABLED  # set by a join context (Note [joined ranks] in join.py)
@@ -260,6 +261,13 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         wrapper reduced into it (``fusedist.ownership.release``)."""
         succession.release_holder(self, holder)
 
+    def __setattr__(self, name, value):
+        # (Note [the wrapped module replaced] in module_swap.py, once the wrapper is built)
+        if name == "module" and "reducer" in self.__dict__:
+            swap_module(self, value, super().__setattr__)
+        else:
+            super().__setattr__(name, value)
+
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo):
         """Note [copies of the wrapper] in copies.py."""
@@ -279,61 +287,6 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
         one and retires its hooks (Note [a module wrapped again]) even when the user kept no
         reference to it."""
         check_layout_agrees(self.comm, layout)
-
-    # ------------------------------------------------------------------ buffers
-    def _module_buffers(self) -> list:
-        """``list(self.module.buffers())`` without walking the module tree each forward (with
-        many small modules the walk cost more than the buffers' broadcast): the ``_buffers``
-        dicts of the submodules present when the model was wrapped are kept and read, so a
-        buffer registered, reassigned or moved (``.to()``) since is seen. A submodule added or
-        replaced since (noted by the registration hook, Note [parameters replaced after
-        wrapping] in trainable.py) has the dicts found again, so its buffers are broadcast as
-        torch's DDP, which walks the module at every broadcast, broadcasts them (one with
-        parameters is refused at the next training forward)."""
-        if self._buffer_dicts is None:
-            self._buffer_dicts = self._find_buffer_dicts()
-        unique = {}
-        for buffers, ignored in self._buffer_dicts:
-            if buffers:
-                for key, b in buffers.items():
-                    if b is not None and key not in ignored:
-                        unique[id(b)] = b
-        return list(unique.values())
-
-    def _find_buffer_dicts(self) -> list:
-        return [(m._buffers, self._ignored_keys(m)) for m in self.module.modules()]
-
-    def submodules_changed(self) -> None:
-        """A submodule was registered into the wrapped module: find its buffers at the next broadcast."""
-        self._buffer_dicts = None
-
-    def _broadcast_state(self, src: int = 0, tag: str = "ddp initial state", buffers: bool = True) -> None:
-        """Every parameter (and buffer, unless ``buffers`` is False) from rank ``src`` (at
-        construction, and when a join context ends: Note [joined ranks])."""
-        # (a tensor-subclass parameter -- float8 weights, frozen NF4 weights -- through its plain inner tensors)
-        tensors = [part for _, p in self.synced_parameters() for part in plain_parts(p.detach())]
-        if buffers:
-            tensors += [b for _, b in self.synced_buffers()]
-        self._broadcast_coalesced(tensors, tag=tag, src=src)
-
-    def _broadcast_coalesced(self, tensors, tag: str, src: int = 0) -> None:
-        if self.world_size == 1:
-            return
-        by_dtype: "OrderedDict[torch.dtype, list]" = OrderedDict()
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for dtype, group in by_dtype.items():
-            flat = torch.cat([t.reshape(-1) for t in group]) if len(group) > 1 else group[0].reshape(-1).clone()
-            self.comm.broadcast(flat, src=src, tag=f"{tag} {dtype}")
-            offset = 0
-            with torch.no_grad():
-                for t in group:
-                    # Through .data: no version bump. A BatchNorm's running statistics are saved
-                    # by its forward for backward, so a second training forward before one
-                    # backward (its broadcast between them) would fail that backward with
-                    # "modified by an inplace operation"; torch DDP's broadcast bumps nothing.
-                    t.data.copy_(flat[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
@@ -380,7 +333,7 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             self._wait_for_params(traced)
             return True
         sync_buffers, grad = self._buffers_due, torch.is_grad_enabled()
-        # Note [when buffers are broadcast]
+        # Note [when buffers are broadcast] in buffer_broadcast.py
         self._buffers_due = grad and self._no_sync_depth == 0
         if grad and self._reduction_check_due and self._no_sync_depth == 0:
             self._reduction_check_due = False
@@ -399,18 +352,6 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
             self.reducer.tracker.observe(self.reducer, tree_checked)  # Note [trainable set changes]
         self._wait_for_params(traced)
         return False
-
-    # Note [when buffers are broadcast]
-    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    # As torch's DDP (its ``require_forward_param_sync``): a forward broadcasts rank 0's buffers
-    # when the forward before it (or none: the first) ran with gradients enabled outside
-    # ``no_sync``, whatever this forward's mode. So the evaluation that follows training --
-    # ``model.eval()`` and a ``torch.no_grad()`` forward -- runs on every rank with rank 0's
-    # BatchNorm statistics, not with the ones each rank's last training batch left behind
-    # (which made the ranks evaluate different models), and the forwards of a ``no_sync``
-    # accumulation leave each rank's statistics as torch leaves them. Every rank must
-    # therefore run such a forward, as with torch: evaluate on one rank through
-    # ``model.module``. (Under ``join()`` the join exchange decides instead.)
 
     # Note [hooks inside compiled modules]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -545,22 +486,6 @@ class DistributedDataParallel(TorchDDPSurface, nn.Module, Joinable):
     @property
     def buckets(self):
         return self.reducer.layout.buckets
-
-    @property
-    def forward_sync_buffers(self) -> bool:
-        """Whether buffers are broadcast from rank 0 at forwards (torch's attribute; settable)."""
-        return self.config.broadcast_buffers
-
-    @forward_sync_buffers.setter
-    def forward_sync_buffers(self, value: bool) -> None:
-        self.config.broadcast_buffers = bool(value)
-
-    broadcast_buffers = forward_sync_buffers  # torch's deprecated name for the same setting
-
-    def will_sync_module_buffers(self) -> bool:
-        """torch's: whether the next forward may broadcast buffers (it does after a
-        synchronized training forward, Note [when buffers are broadcast])."""
-        return bool(self._buffers_due and self.config.broadcast_buffers and self._module_buffers())
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Like torch DDP's, but also accepts a state dict saved from the bare module (keys

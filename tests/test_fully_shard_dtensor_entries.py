@@ -375,14 +375,18 @@ def _tree_fingerprint(rank: int, world: int, seed: int) -> dict:
     out["swap forward"] = seen()
     model.check_consistency()
     out["swap checked"] = seen()
+    blocks[0].__dict__["_modules"] = dict(blocks[0]._modules)  # a watched dict replaced by a copy: watched again
+    for _ in range(2):
+        model(x).sum().backward()
+    out["copied"] = seen()
     return out
 
 
 def _replaced_refused(rank: int, world: int, seed: int) -> dict:
     """A module the units hold replaced after the first forward -- by assignment (a block given to
-    fully_shard, the ModuleList holding them, a Linear inside a block) or by a direct write of
-    ``_modules`` under its key -- refused at the next forward; each put back, the model trains on and computes
-    as the unsharded one."""
+    fully_shard, the ModuleList holding them, a Linear inside a block), by a direct write of
+    ``_modules`` under its key, or by a block's whole ``_modules`` replaced -- refused at the next forward;
+    each put back, the model trains on and computes as the unsharded one."""
     import fusedist
 
     torch.manual_seed(seed)
@@ -396,6 +400,12 @@ def _replaced_refused(rank: int, world: int, seed: int) -> dict:
     model(x).sum().backward()
     layers, blocks = model.layers, list(model.layers)
     lin1, lin2 = blocks[1].lin, blocks[2].lin
+    saved0, act0 = blocks[0]._modules, blocks[0].act
+
+    def copy_then_write() -> None:
+        blocks[1].__dict__["_modules"] = dict(blocks[1]._modules)  # the same modules: trains on
+        model(x).sum().backward()
+        blocks[1]._modules["lin"] = nn.Linear(4, 4)  # (into the copy)
 
     def refused(replace, restore) -> str:
         model(x).sum().backward()  # (the tree as last seen: an earlier restore's registration is not this one's)
@@ -421,6 +431,10 @@ def _replaced_refused(rank: int, world: int, seed: int) -> dict:
                                 lambda: blocks[1]._modules.__setitem__("lin", lin1)),
         "inner shares": refused(lambda: blocks[2]._modules.__setitem__("lin", _sharing(blocks[2].lin)),
                                 lambda: blocks[2]._modules.__setitem__("lin", lin2)),
+        # a block's whole ``_modules`` dict replaced: no length changes, no write counted
+        "inner whole": refused(lambda: setattr(blocks[0], "_modules", {"lin": nn.Linear(4, 4), "act": act0}),
+                               lambda: blocks[0].__dict__.__setitem__("_modules", saved0)),
+        "inner copy then direct": refused(copy_then_write, lambda: blocks[1]._modules.__setitem__("lin", lin1)),
     }
     y = model(x)
     y.sum().backward()  # (a training step after the refusals)
@@ -671,7 +685,8 @@ def test_grads_answer_as_a_subclass_and_train_as_fsdp2(launched):
 def test_tree_compared_by_fingerprint(launched):
     """Forwards over an unchanged tree run no full comparison; an insert, a delete, an assignment
     (torch's registration hook) and a same-length direct write of the dict on the way to sharded
-    modules (the spine) are followed at the next forward."""
+    modules (the spine) are followed at the next forward; a block's ``_modules`` replaced by a copy is
+    compared in full once, its copy then watched."""
     for rank, out in enumerate(results_of(launched, "tree")):
         assert out["unchanged"] == (True, ["layers.0", "layers.1", "layers.2"], 0), (rank, out)
         assert out["insert"] == (True, ["layers.1", "layers.2", "layers.3"], 1), (rank, out)
@@ -679,19 +694,23 @@ def test_tree_compared_by_fingerprint(launched):
         assert out["same"] == (True, ["layers.0", "layers.1", "layers.2"], 3), (rank, out)
         assert out["swap forward"] == (True, ["layers.1", "layers.0", "layers.2"], 4), (rank, out)
         assert out["swap checked"] == (True, ["layers.1", "layers.0", "layers.2"], 5), (rank, out)
+        assert out["copied"] == (True, ["layers.1", "layers.0", "layers.2"], 6), (rank, out)
 
 
 def test_replaced_sharded_submodule_refused_at_next_forward(launched):
     """A block given to fully_shard replaced by assignment or by a direct ``_modules`` write under its key,
     the ModuleList holding the blocks replaced, a block's Linear replaced (by assignment, or by a direct write:
-    a new Linear, or one holding the unit's pieces, which failed on a shard-sized weight): the next forward is
+    a new Linear, or one holding the unit's pieces, which failed on a shard-sized weight; the block's whole
+    ``_modules`` dict replaced, or replaced by a copy and then written): the next forward is
     refused on every rank naming the place (FSDP2 trains on silently, the new parameters unsharded and
     unreduced); put back, the model's output is the unsharded model's (fp32, the same weights and ops: 1e-6).
     A block's activation (no parameters) replaced directly is followed: the output is the unsharded model's."""
     for rank, out in enumerate(results_of(launched, "replaced")):
         for key, place, cls in (("block", "layers.1", "_Block"), ("direct", "layers.2", "_Block"),
                                 ("list", "layers", "ModuleList"), ("inner", "layers.0.lin", "Linear"),
-                                ("inner direct", "layers.1.lin", "Linear"), ("inner shares", "layers.2.lin", "Linear")):
+                                ("inner direct", "layers.1.lin", "Linear"), ("inner shares", "layers.2.lin", "Linear"),
+                                ("inner whole", "layers.0.lin", "Linear"),
+                                ("inner copy then direct", "layers.1.lin", "Linear")):
             message = out[key]
             assert f"submodule '{place}' ({cls}) was replaced by a new {cls}" in message, (rank, key, message)
         assert out["restored"] <= 1e-6, (rank, out)

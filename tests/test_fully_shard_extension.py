@@ -416,7 +416,9 @@ class _NF4Linear(nn.Module):
 
 def _names_read(m) -> dict:
     """What code written for FSDP2 reads of every parameter: its type, placements, mesh, and the
-    class and values of ``full_tensor()`` and ``to_local()`` (NF4: its dequantized values)."""
+    class and values of ``full_tensor()`` and ``to_local()`` (NF4: its dequantized values); whether
+    ``to_local()`` is the parameter, answers ``full_tensor`` itself, and whether ``requires_grad_()``
+    on it unfreezes a frozen parameter."""
     def values(t):
         t = t.get_original_weight() if hasattr(t, "get_original_weight") else t
         return torch.as_tensor(t).detach().clone() if type(t) is torch.Tensor else t._tensor.detach().clone()
@@ -424,8 +426,14 @@ def _names_read(m) -> dict:
     out = {}
     for name, p in m.named_parameters():
         whole, local = p.full_tensor(), p.to_local()
+        unfroze = None
+        if not p.requires_grad:
+            local.requires_grad_()
+            unfroze = p.requires_grad
+            p.requires_grad_(False)
         out[name] = (p.placements, tuple(p.device_mesh.mesh.tolist()), type(whole).__name__, values(whole),
-                     type(local).__name__, tuple(local.shape), values(local))
+                     type(local).__name__, tuple(local.shape), values(local),
+                     (local is p, hasattr(local, "full_tensor"), unfroze))
     return out
 
 
@@ -463,7 +471,7 @@ def _extension_names_worker(rank, world):
     assert sorted(read[True]) == sorted(read[False]), (sorted(read[True]), sorted(read[False]))
     for name, theirs in read[False].items():
         mine = read[True][name]
-        assert mine[:3] == theirs[:3] and mine[4:6] == theirs[4:6], (name, mine[:6], theirs[:6])
+        assert mine[:3] == theirs[:3] and mine[4:6] == theirs[4:6] and mine[7] == theirs[7], (name, mine, theirs)
         torch.testing.assert_close(mine[3], theirs[3], **EXACT, msg=name)
         torch.testing.assert_close(mine[6], theirs[6], **EXACT, msg=name)
     return sorted(read[True])
@@ -474,7 +482,8 @@ def test_extension_pieces_read_as_fsdp2_dtensors(two_ranks):
     ``placements``, ``device_mesh``, ``full_tensor()`` and ``to_local()`` as FSDP2's DTensor (were:
     AttributeError on the float8 and NF4 weights): a float8 weight's ``full_tensor()`` is the plain
     high-precision weight, its ``to_local()`` the float8 subclass over FSDP2's chunk; an NF4 weight's are
-    NF4Tensors, whole and FSDP2's chunk, holding the same values."""
+    NF4Tensors, whole and FSDP2's chunk, holding the same values; ``to_local()`` is a new tensor, as FSDP2's:
+    ``requires_grad_()`` on it leaves the frozen NF4 weight frozen (was: the piece itself, unfrozen)."""
     _passed(two_ranks, "names")
     names = two_ranks[0]["names result"]
     assert {"0.weight", "4.weight", "nf4.0.weight", "nf4.2.weight"} <= set(names), names

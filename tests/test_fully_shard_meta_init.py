@@ -322,6 +322,8 @@ def _misuse(rank, ws):
     _shard(model, ws)
     out["meta pieces"] = all(p.is_meta for p in model.parameters())
     x = torch.randn(3, 8)
+    visited = []  # (apply before to_empty: torch's, on the meta pieces; nothing to make whole)
+    out["apply on meta"] = model.apply(lambda m: visited.append(type(m).__name__)) is model and len(visited)
     for what, call in (("forward", lambda: model(x)), ("unshard", lambda: model.blocks[1].unshard()),
                        ("init", lambda: fusedist.fsdp.init_parameters(model))):
         with pytest.raises(RuntimeError) as err:
@@ -334,10 +336,30 @@ def _misuse(rank, ws):
     _train(model, rank, ws, 2)
     ref = _train(_reference(Net), 0, 1, 2)
     out["trained after error"] = _trained_diff(model, ref)
-    # reset_parameters() on the pieces is not the unsharded init (the known difference)
+    # model.apply(init_fn) after sharding: the unsharded init (Note [apply on a sharded model]), where
+    # on the pieces every rank drew the same numbers for its own rows; the modules visited in apply's order
     torch.manual_seed(SEED)
-    on_pieces = model.apply(_reset)
-    out["apply on pieces"] = _init_diff(on_pieces, _reference(Net))
+    applied = model.apply(_reset)
+    out["apply after sharding"] = (applied is model, _init_diff(applied, _reference(Net)))
+    order, ref_order = [], []
+    model.apply(lambda m: order.append(type(m).__name__.removeprefix("FullyShard")))
+    _reference(Net).apply(lambda m: ref_order.append(type(m).__name__))
+    out["apply order"] = (order == ref_order, len(order))
+    # apply inside a pass (a root forward pre-hook: its units in use) or inside another apply: torch's, on
+    # the pieces (made whole there, a submodule's call was refused / a piece-shaped result refused); trains as without
+    built = []
+    for _ in range(2):
+        torch.manual_seed(SEED)
+        built.append(_shard(Net(), ws))
+    hooked, plain, visits = *built, []
+    hooked.register_forward_pre_hook(lambda mod, args: mod.apply(lambda m: visits.append("hook")) and None)
+    hooked.apply(lambda m: m.apply(lambda m2: visits.append("nested")) if m is hooked.blocks[0] else None)
+    _train(hooked, rank, ws, 2)
+    _train(plain, rank, ws, 2)
+    a, b = fusedist.fsdp.full_state_dict(hooked), fusedist.fsdp.full_state_dict(plain)
+    out["apply in a pass"] = ((visits.count("nested"), visits.count("hook")),
+                              (len(list(hooked.blocks[0].modules())), 2 * len(list(hooked.modules()))),
+                              max((a[k] - b[k]).abs().max().item() for k in b))
     # a unit with parameters on meta and off it is refused, naming both
     half = Net()
     with torch.device("meta"):
@@ -398,6 +420,9 @@ def _uninitialized_named(ws) -> dict:
 
 
 def test_misuse_and_mixed_devices():
+    """Refusals before ``to_empty`` name the unit; ``model.apply(init_fn)`` after sharding is the unsharded
+    init (was: every rank drew the same numbers for its own rows), torch's ``apply`` on the meta pieces before
+    ``to_empty``, inside a pass and inside another ``apply``; mixed-device units are refused or materialized."""
     for res in run_distributed(_misuse, 2):
         assert res["meta pieces"]
         for what in ("forward", "unshard", "init"):
@@ -405,7 +430,10 @@ def test_misuse_and_mixed_devices():
         assert "fully_shard(Net)" in res["forward"], res["forward"]  # the unit is named
         assert "fully_shard(Block)" in res["unshard"] and "fc1.weight" in res["unshard"], res["unshard"]
         assert _trained_alike(res["trained after error"]), res["trained after error"]
-        assert res["apply on pieces"] > 0.0
+        assert res["apply after sharding"] == (True, 0.0), res["apply after sharding"]  # (the unsharded init)
+        assert res["apply order"][0] and res["apply order"][1] == res["apply on meta"] > 1, res
+        counts, expected, trained = res["apply in a pass"]
+        assert counts == expected and trained == 0.0, res["apply in a pass"]  # (the same ops on the same values)
         assert "fc2.weight" in res["mixed unit"] and "fc1.weight (cpu)" in res["mixed unit"], res["mixed unit"]
         assert res["mixed units init"] == 0.0
         # tensors no reset_parameters() reaches are named, as Lightning's materialization warns

@@ -26,7 +26,8 @@ refused),
 ``state_dict_hooks`` (the hooks that put those entries in ``state_dict()`` and take them back),
 ``optim_state`` (the same for an optimizer's state over the pieces),
 ``memory`` (what is held), ``param_init`` (initializing a model built on the meta device as
-the unsharded one), ``api`` (``fully_shard`` and the methods a module gains), ``functions``
+the unsharded one), ``module_apply`` (``model.apply(fn)`` with whole parameters, through it),
+``api`` (``fully_shard`` and the methods a module gains), ``functions``
 (FSDP2's functions over sharded modules: ``register_fsdp_forward_method``, ``share_comm_ctx``).
 """
 

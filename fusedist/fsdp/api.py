@@ -27,6 +27,7 @@ from .mesh import groups_of, shard_mesh_of
 from .owners import Held, record_owner, register_pieces
 from .child_calls import guard_child_calls
 from .members import check_params, describe, members_of, take_params
+from .module_apply import apply_whole
 from .state import FullyShardState, state_of
 from .tensor_parallel import tensor_parallel_specs
 from .unit import ShardedUnit
@@ -212,6 +213,11 @@ class FullyShardedModule:
             "before sharding it, or take its weights with fusedist.fsdp.full_state_dict(model) (or "
             "model.state_dict(), this rank's pieces)"
         )
+
+    def apply(self, fn):
+        """``fn`` on every submodule (children first), with whole parameters: the unsharded model's
+        ``apply(fn)``, each rank keeping its rows (Note [apply on a sharded model] in module_apply.py)."""
+        return apply_whole(self, fn)
 
     def _fs_states(self, recurse: bool = True):
         mods = self.modules() if recurse else [self]

@@ -21,8 +21,11 @@ Note [extension pieces read as DTensors]
       scales). A collective, every rank calls it for the same parameter.
     * ``to_local()``: FSDP2's shard as torchao's class: a float8 piece viewed at its chunk's
       shape (its storage: writes reach the parameter; refused by name where the unit's layout
-      cut it elsewhere, as a plain piece); an NF4 piece itself: its rows are FSDP2's chunk
-      (``fully_shard`` takes quantized storage only where the rows divide evenly).
+      cut it elsewhere, as a plain piece); an NF4 piece viewed whole: its rows are FSDP2's chunk
+      (``fully_shard`` takes quantized storage only where the rows divide evenly). A view, not the
+      piece itself: FSDP2 returns a new tensor (``view_as`` of its local one) over the same codes,
+      so ``p.to_local().requires_grad_()`` changes no parameter's flag; given the piece, it
+      unfroze the NF4 base weight, and the result answered ``full_tensor()`` where FSDP2's does not.
 
     A copy (``copy.deepcopy``, ``torch.save``) is torchao's class: no unit holds it, and a
     checkpoint loads where fusedist is not imported.
@@ -64,8 +67,9 @@ def _local(self):
         return _to_local(self)
 
     def to_local() -> torch.Tensor:
-        """This rank's blocks of the quantized weight: FSDP2's shard, as its rows divide evenly."""
-        return self
+        """This rank's blocks of the quantized weight: FSDP2's shard, as its rows divide evenly; a new
+        torchao tensor over the piece's storage, as FSDP2's ``view_as`` of its local tensor."""
+        return self.view_as(self)
 
     return to_local
 

@@ -27,15 +27,30 @@ Note [a sharded submodule replaced]
     unsharded on each rank, unreduced and outside the optimizer, and a new module given the unit's
     own pieces (``new.weight = block.fc.weight``) failed in its forward on a shard-sized tensor.
     Extending the spine down to those parents instead cost several times the fingerprint at every
-    forward (a dict read per module holding parameters); the watched dicts cost nothing until
-    written. A module holding none of a unit's parameters replaced this way
+    forward (a dict read per module holding parameters); a watched dict costs nothing until
+    written (but its identity compare, below). A module holding none of a unit's parameters replaced this way
     (``block._modules["act"] = nn.GELU()``) is followed, as before: the next forward runs the new
     one, as the unsharded model would.
+
+    A watched dict replaced whole (``block._modules = {...}``, ``block.__dict__["_modules"] = ...``)
+    changes no length the fingerprint reads, and the new dict counts no writes: so the root keeps
+    each watched dict (``WatchedDicts``) and compares it by identity with the module's at each
+    forward (one attribute read per such module: for 300 blocks of 12 modules, 900 of them
+    watched, 29 us against the fingerprint's 65 us on a loaded 2-core CPU). Changed, the tree is
+    compared in full -- a module the units hold that left is refused as above -- and the new dict
+    is watched in turn, so a later write into it is seen too. Unseen, the new Linear trained
+    unsharded on each rank until the next full comparison (``check_consistency()`` or another
+    change of the tree).
 """
 
 from __future__ import annotations
 
-__all__ = ["Spine", "Places", "WatchedChildren", "WRITES", "check_replaced", "watch_parents", "user_class_name"]
+from operator import attrgetter, is_
+
+__all__ = ["Spine", "Places", "WatchedChildren", "WatchedDicts", "WRITES", "check_replaced", "watch_parents",
+           "user_class_name"]
+
+_CHILDREN = attrgetter("_modules")
 
 WRITES = [0]  # writes into a WatchedChildren dict in the process (the tree's fingerprint reads it)
 
@@ -89,16 +104,41 @@ def watch_parents(places: "Places", states: list) -> bool:
     """Make ``_modules`` a ``WatchedChildren`` on each module holding a module that holds a parameter
     of a unit of ``states`` (Note [a sharded submodule replaced]); whether any was made."""
     made = False
+    for parent in _holding_parents(places, states):
+        if not isinstance(parent._modules, WatchedChildren):
+            object.__setattr__(parent, "_modules", WatchedChildren(parent._modules))
+            made = True
+    return made
+
+
+class WatchedDicts:
+    """Each watched module's ``_modules`` dict as last seen (it holds them: a replaced one's id is
+    not reused while compared), so that a dict replaced whole is seen."""
+
+    __slots__ = ("modules", "dicts")
+
+    def __init__(self, places: "Places", states: list):
+        self.modules = [m for m in _holding_parents(places, states) if isinstance(m._modules, WatchedChildren)]
+        self.dicts = list(map(_CHILDREN, self.modules))
+
+    def hold(self) -> bool:
+        """Whether each of those modules holds the same dict (by identity: a same-content copy is
+        not watched)."""
+        return all(map(is_, map(_CHILDREN, self.modules), self.dicts))
+
+
+def _holding_parents(places: "Places", states: list) -> list:
+    """The modules in the tree holding a module that holds a parameter of a unit of ``states``, once each."""
+    parents: dict = {}
     for st in states:
         if st.unit is None:
             continue
         for regs in st.unit.registrations:
             for m, _ in regs:
                 where = places.of.get(id(m))
-                if where is not None and not isinstance(where[0]._modules, WatchedChildren):
-                    object.__setattr__(where[0], "_modules", WatchedChildren(where[0]._modules))
-                    made = True
-    return made
+                if where is not None:
+                    parents.setdefault(id(where[0]), where[0])
+    return list(parents.values())
 
 
 class Places:

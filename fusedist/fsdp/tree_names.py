@@ -38,8 +38,9 @@ Note [the tree's fingerprint]
     without its old one changing. Such a write is seen at the next forward on the way from the
     root to a module given to ``fully_shard`` (by the spine) and where it replaces a module holding
     a unit's parameters (its parent's ``_modules`` is a watched dict whose writes the fingerprint
-    counts: Note [a sharded submodule replaced] in replaced_modules.py); elsewhere it is followed
-    at the next full comparison -- the next fingerprint change or ``check_consistency()``.
+    counts, and which is compared by identity, so that one replaced whole is seen too: Note [a
+    sharded submodule replaced] in replaced_modules.py); elsewhere it is followed at the next full
+    comparison -- the next fingerprint change or ``check_consistency()``.
 
 Note [a sharded unit removed]
     ``del model.blocks[1]`` after the first forward removes a unit from the root's tree. It stays
@@ -65,7 +66,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._process_hooks import install_module_registration_hook
 from ..ddp.module_tree import ModuleTree
-from .replaced_modules import WRITES, Places, Spine, check_replaced, watch_parents
+from .replaced_modules import WRITES, Places, Spine, WatchedDicts, check_replaced, watch_parents
 
 __all__ = ["RootTree", "name_units", "param_path"]
 
@@ -100,7 +101,7 @@ class _Fingerprint:
 class RootTree:
     """The root's modules' trees as last seen (Note [unit paths follow the module])."""
 
-    __slots__ = ("modules", "trees", "fingerprint", "full_compares", "places", "spine")
+    __slots__ = ("modules", "trees", "fingerprint", "full_compares", "places", "spine", "watched")
 
     def __init__(self, modules: list):
         self.modules = list(modules)
@@ -111,6 +112,7 @@ class RootTree:
         # submodule replaced] in replaced_modules.py): taken at the first refresh, which knows the states
         self.places: Optional[Places] = None
         self.spine: Optional[Spine] = None
+        self.watched: Optional[WatchedDicts] = None
 
     def refresh(self, states: list, watch=None, full: bool = False) -> bool:
         """Rename the units of ``states`` and ``watch``'s parameters if the tree changed since
@@ -119,10 +121,12 @@ class RootTree:
         refused where a module the units hold was replaced (Note [a sharded submodule replaced])."""
         if self.places is None:
             self._take_places(states)
-        if not full and self.fingerprint.same() and self.spine.holds():
+        if not full and self.fingerprint.same() and self.spine.holds() and self.watched.hold():
             return False
         self.full_compares += 1
         if all(tree.unchanged() for tree in self.trees):
+            if not self.watched.hold():  # (a watched dict replaced by one holding the same modules: watched again)
+                self._take_places(states)
             self.fingerprint = _Fingerprint(self.trees)
             return False
         check_replaced(self.places, self.modules, states)
@@ -145,7 +149,9 @@ class RootTree:
     def _take_places(self, states: list) -> None:
         self.places = Places(self.modules)
         self.spine = Spine(self.places, states)
-        if watch_parents(self.places, states):  # (new dicts: the fingerprint reads their lengths)
+        made = watch_parents(self.places, states)
+        self.watched = WatchedDicts(self.places, states)
+        if made:  # (new dicts: the fingerprint reads their lengths)
             self.fingerprint = _Fingerprint(self.trees)
 
 

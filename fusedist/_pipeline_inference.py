@@ -127,6 +127,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -323,10 +324,12 @@ def failure_message(stage, chunk: int, error: Exception, where: str = "") -> str
             f"{chunk}{where}: {_root_cause(error)}")
 
 
-def send_failure(stage, chunk: int, error: Exception) -> str:
+def send_failure(stage, chunk: int, error: Exception, message: Optional[str] = None) -> str:
     """After the stage's forward of micro-batch 0 raised: tell the next stage's rank (the message and
-    zeros of the shapes it receives into) when its receive waits on this send; the message."""
-    message = str(error) if isinstance(error, PeerFailedFirstSend) else failure_message(stage, chunk, error)
+    zeros of the shapes it receives into) when its receive waits on this send; the message (``message``: the
+    one to tell, else made from ``error``)."""
+    if message is None:
+        message = str(error) if isinstance(error, PeerFailedFirstSend) else failure_message(stage, chunk, error)
     if chunk != 0 or not getattr(stage, "_notice_to", False):
         return message
     stage._notice_to = False
@@ -403,6 +406,7 @@ def failing_inference(stage, run, backward: bool, has_backward: bool, told=None)
             acknowledge_inference(stage)
         return result
     except PeerInferenceFailed as e:
+        _publish(stage, e.notice.message)
         if _tell(stage, e.notice) and told is not None:
             told()
         raise RuntimeError(e.notice.message) from None
@@ -410,12 +414,28 @@ def failing_inference(stage, run, backward: bool, has_backward: bool, told=None)
         if stage._fusedist_meta_sent:  # (a failure of the send itself: the peer's state is unknown)
             raise
         where = "backward" if backward else "forward"
-        notice = InferenceFailed(stage.stage_index, backward, has_backward, (
+        notice = InferenceFailed(stage.stage_index, backward, has_backward, _told_elsewhere(e) or (
             f"fusedist.pipelining.PipelineStage: the pipeline's shape inference ({where}) failed at stage "
             f"{stage.stage_index} (rank {stage.group_rank} of the pipeline's group): {_described(e)}"))
+        _publish(stage, notice.message)
         if _tell(stage, notice) and told is not None:
             told()
         raise RuntimeError(notice.message) from e
+
+
+def _publish(stage, message: str) -> None:
+    """The failure published to the rank's data-parallel peers before it is raised (Note [a first-step failure
+    told to the data-parallel peers] in _pipeline_step_status.py)."""
+    from ._pipeline_step_status import publish_first_step_failure
+
+    publish_first_step_failure(stage, message)
+
+
+def _told_elsewhere(error: Exception):
+    """The failure a data-parallel peer published, where ``error`` is a wait it ended; else None."""
+    from .reliability import failed_elsewhere
+
+    return failed_elsewhere.failure_told(error)
 
 
 _INFERRED = "fusedist.pipelining: shapes inferred"

@@ -125,10 +125,11 @@ def guard_first_loss(schedule) -> None:
                 if told is None:  # Note [a failure told at the step's end] (_pipeline_step_status.py)
                     raise
                 raise told from e
-            from ._pipeline_step_status import put_back_buffers
+            from ._pipeline_step_status import publish_first_step_failure, put_back_buffers
 
             put_back_buffers(stage)  # Note [the buffers a failed step puts back] (_pipeline_step_failures.py)
             message = failure_message(stage, 0, e, "'s loss")
+            publish_first_step_failure(stage, message)  # Note [a first-step failure told to the data-parallel peers]
             tell_upstream(stage, 0, message, told=False)
             raise RuntimeError(message) from e
 

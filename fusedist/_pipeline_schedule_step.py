@@ -62,8 +62,15 @@ def wrap_step(schedule) -> None:
         if named:
             schedule._fusedist_targets = (signature.bind(*args, **kwargs).arguments.get("target_mbs"),)
         schedule._fusedist_failure = None
+        schedule._fusedist_step_raised = True  # (Note [a stage that ended in a step that raised])
         try:
-            return _run(schedule, original, args, kwargs)
+            result = _run(schedule, original, args, kwargs)
+            schedule._fusedist_step_raised = False
+            for stage in [getattr(schedule, "_stage", None), *getattr(schedule, "_stages", ())]:
+                step = getattr(stage, "_step", None)
+                if step is not None:  # (what a step that raised puts back: none to keep)
+                    step.set_aside = step.ended_buffers = None
+            return result
         finally:
             schedule.__dict__.pop("_fusedist_targets", None)
             schedule.__dict__.pop("_fusedist_failure", None)

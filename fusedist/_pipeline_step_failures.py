@@ -12,7 +12,7 @@ Note [a step that raised]
     stage finds the schedule -- a step that ended leaves nothing; one that raised before its end:
     - on a pipeline whose stages are all on this rank, the schedule's leftover losses are
       dropped, the gradients put back as the step found them (from the set-aside of Note
-      [accumulating over synchronized pipeline steps] in pipelining.py; those it found None set to
+      [accumulating over synchronized pipeline steps] in _pipeline_set_aside.py; those it found None set to
       None again), and the step runs, as a fresh schedule's would. A stage module fusedist or torch
       reduces keeps unreduced sums this cannot put back, as does a step accumulating under the
       user's own switch: after backward passes such a stage refuses every later step instead.
@@ -33,6 +33,17 @@ Note [a step that raised]
     shape inference that fails on one rank] in _pipeline_inference.py): it counts as ended.
     A step driven by hand (no schedule's ``step``) is not tracked. The leftover losses of a step
     that ended (an ``eval`` whose ``loss_fn`` raised on the last micro-batch) are dropped too.
+
+Note [a stage that ended in a step that raised]
+    With several stages on one rank, a stage's part of a step can end -- its last backward ran, its gradients
+    were reduced and divided -- before another stage of the rank raises (stage 0's backward of the last
+    micro-batch, after stage 1's). The step raised, but that stage's step counted as ended: the next step
+    kept its gradients of the failed step and added the new step's to them, silently (2e-2 to 1e-1 off the
+    unpipelined model's, whatever the stage module). The schedule's step now records whether it raised (Note
+    [the targets a step was given] in _pipeline_schedule_step.py wraps it), and such a stage counts as one
+    whose step raised: a stage module no one reduces gets its gradients back from the set-aside, kept past the
+    step's division until the next step begins (no copy more: the one the step took), and its buffers from the
+    step's record, kept likewise; one fusedist or torch reduces refuses every later step, naming why.
 
 Note [the buffers a failed step puts back]
     Copying every buffer of the stage module at each step's first forward cost a copy of buffers
@@ -75,13 +86,14 @@ class Step:
     def __init__(self):
         self.forwards, self.backwards, self.ended = 0, 0, False
         self.held_over, self.unset, self.buffers = False, [], None
+        self.set_aside, self.ended_buffers = None, None  # (Note [a stage that ended in a step that raised])
 
     def end(self) -> None:
         """The step's messages are all exchanged (a forward-only step's last forward ran)."""
         self.ended = True
         if self.buffers is not None:
             self.buffers.ended()
-            self.buffers = None
+            self.buffers, self.ended_buffers = None, self.buffers
 
     def began(self, module, held_over: bool) -> None:
         """At the step's first forward: whether the set-aside was an earlier step's, and the
@@ -124,14 +136,15 @@ def after_the_last_step(stage, schedule, plain: bool) -> None:
     ``plain``: the stage module is one neither fusedist nor torch reduces (nothing kept unreduced)."""
     refusal = getattr(stage, "_refusal", None)
     step = getattr(stage, "_step", None)
-    if refusal is None and step is not None and not step.ended:
+    if refusal is None and step is not None and (not step.ended or ended_in_a_step_that_raised(stage, step)):
         if stage.group_size > 1 or (step.backwards and (step.held_over or not plain)):
             refusal = stage._refusal = _refusal(stage, step, plain)
         else:
             if step.backwards:
                 put_back_gradients(stage, step)
-            if step.buffers is not None:  # a BatchNorm's statistics, as the step found them
-                step.buffers.put_back()
+            buffers = step.buffers or step.ended_buffers
+            if buffers is not None:  # a BatchNorm's statistics, as the step found them
+                buffers.put_back()
             if not step.held_over:
                 stage._held_before = None
             stage._held_over = step.held_over
@@ -140,11 +153,20 @@ def after_the_last_step(stage, schedule, plain: bool) -> None:
     schedule._internal_losses.clear()  # the losses of a step that raised; none otherwise
 
 
+def ended_in_a_step_that_raised(stage, step) -> bool:
+    """The stage's step ended, with backward passes, in a schedule step that raised at another stage of this
+    rank (Note [a stage that ended in a step that raised])."""
+    schedule = last_schedule(stage)
+    return bool(step.ended and step.backwards and schedule is not None
+                and schedule.__dict__.get("_fusedist_step_raised", False))
+
+
 def put_back_gradients(stage, step) -> None:
     """The gradients as ``step`` found them, from the set-aside its first backward took (Note [accumulating
-    over synchronized pipeline steps] in pipelining.py); those it found None set to None again."""
+    over synchronized pipeline steps] in _pipeline_set_aside.py), kept past the step's division where the step
+    ended; those it found None set to None again."""
     with torch.no_grad():
-        held = getattr(stage, "_held_before", None)
+        held = getattr(stage, "_held_before", None) or step.set_aside
         for grad, before in held.pairs() if held is not None else []:
             grad.zero_() if before is None else grad.copy_(before)
     for p in step.unset:
@@ -155,6 +177,10 @@ def _refusal(stage, step, plain: bool) -> str:
     head = (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {torch.distributed.get_rank()}): "
             f"the previous step raised before its end, after {step.forwards} of its {stage.chunks} forwards and "
             f"{step.backwards} backward passes")
+    if step.ended:  # Note [a stage that ended in a step that raised]
+        head = (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {torch.distributed.get_rank()}): "
+                "the previous step raised at another stage of this rank after this stage's part of it had ended "
+                f"({step.forwards} forwards and {step.backwards} backward passes, its gradients reduced)")
     if stage.group_size > 1:
         return (
             f"{head}. The pipeline's other ranks were left waiting on that step's messages (or sent ones "

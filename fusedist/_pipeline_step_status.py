@@ -70,10 +70,30 @@ Note [a pipeline's failure told to its data-parallel peers]
     The message names the rank in the pipeline's group and, where it differs, the global rank. Where the
     probe is off (``FUSEDIST_DIVERGENCE_PROBE_S=0`` or ``FUSEDIST_CHECKS=0``), such a failure still
     reaches the other ranks at the group's timeout.
+
+Note [a first-step failure told to the data-parallel peers]
+    A failure at micro-batch 0 of the first training step after a set-up is told along the pipeline by notices
+    -- the shape inference's, where the step infers the stages' shapes (Note [a shape inference that fails on
+    one rank] in _pipeline_inference.py), else the first sends' (Note [a first send that cannot be made] there,
+    Note [a first send that cannot be made, told upstream] in _pipeline_notice_back.py) -- and each rank of the
+    pipeline raises at once, with no exchange to wait in. Their data-parallel peers waited in reductions those
+    ranks never issue until the failing process ended (its crash entry), or, where the user caught the error and
+    kept the process alive, until the group's timeout. So each rank raising there (the failing one and those
+    told by a notice) first publishes the message as a failure entry in its monitored groups, as above: every
+    peer's blocked wait fails about the probe's delay later, its pipeline is told the message read (its own
+    notices, or the exchange at the step's end), and every rank of every pipeline raises the first failure's
+    message. Nothing waits here for the peers to read the entries, so they are kept -- a peer that read one has
+    given the group up -- until a failure of the group's own collectives or the process's end writes its entry
+    in their place. After the first sends' notices every later step of the pipeline is refused (Note [a step
+    that raised] in _pipeline_step_failures.py); a failed shape inference counts as ended and the next step may
+    run, and then a wait of this rank's data-parallel peers blocked past the probe's delay (a rank saving a
+    checkpoint) is told of this failure. Not withdrawn at the next step: a peer still short of the delay would
+    then wait out the group's timeout again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import torch
@@ -140,6 +160,7 @@ def began(stage, scheduled: bool) -> None:
     stage._bwd_recvs_made, stage._bwd_sends_made = set(), set()
     stage._status_told = not scheduled
     stage._reduce_held = None  # (a division held back for the exchange: several stages per rank)
+    stage._published_elsewhere = None  # (Note [a first-step failure told to the data-parallel peers])
 
 
 def fails_here(stage) -> bool:
@@ -159,6 +180,19 @@ def told_at_step_end(stage, chunk: int, error: Exception, where: str, backward: 
     # data-parallel group failed in its pipeline tells that failure, not the wait's
     message = failed_elsewhere.failure_told(error) or failure_message(stage, chunk, error, where)
     return RuntimeError(fail_step(stage, message, received_zeros(stage, chunk, backward)))
+
+
+@contextlib.contextmanager
+def backward_failure_told(stage, chunk: int):
+    """Around a backward pass of micro-batch ``chunk`` (full, input or weight): where it fails and the failure is
+    told at the step's end, the error every rank raises; else the pass's own."""
+    try:
+        yield
+    except Exception as e:
+        told = told_at_step_end(stage, chunk, e, "'s backward", True)
+        if told is None:
+            raise
+        raise told from e
 
 
 def fail_step(stage, message: str, on_zeros: bool = False) -> str:
@@ -213,6 +247,14 @@ def put_back_buffers(stage) -> None:
     if step is not None and step.buffers is not None and stage.group_size > 1:
         step.buffers.put_back()
         step.buffers = None
+
+
+def publish_first_step_failure(stage, message: str) -> None:
+    """Before a rank of a pipeline over several ranks raises a failure told by the first step's notices: the
+    message published to its data-parallel peers, once a step (Note [a first-step failure told to the
+    data-parallel peers])."""
+    if stage.group_size > 1 and not getattr(stage, "_published_elsewhere", None):
+        stage._published_elsewhere = failed_elsewhere.publish(message) or None
 
 
 def exchange(stage, message, on_zeros: bool = False):

@@ -93,39 +93,14 @@ Note [an eval step divides nothing]
     A forward-only step computes no gradient, so it divides none.
 
 Note [accumulating over synchronized pipeline steps]
-    torch's division at a step's end takes ``p.grad`` whole, what earlier steps left there
-    included: two synchronized steps before one optimizer step (gradient accumulation, the
-    way an unpipelined model accumulates two batches' ``backward()``) gave ``g1 / n + g2``,
-    the first batch weighted ``n_microbatches`` times less than the second, silently (torch's
-    stage alike, for every kind of stage module). A step with backward sets aside a copy of
-    the gradients the division will reach (``p.grad``, ZeRO-2's shards) at its first
-    forward, and after the division adds back what it took of them: ``g1 + g2``, as without
-    pipelining. Under the user's own switch (Note [accumulating across pipeline steps]) the
-    copy waits for the next synchronized step, whose division is then undone for it alone.
-    The copy costs one gradient-sized buffer in a step that starts with gradients held; none
-    when they were zeroed, to None or (``set_to_none=False``) to zeros: a gradient all zeros
-    has nothing to give back, and one pass reading the gradients (their largest magnitudes)
-    finds those, where a copy would write them and the give-back read them twice. That pass runs
-    at the step's first forward, and its result is read, and the copies taken, at the step's first
-    backward, the first pass that changes the gradients (a read at the forward made the host wait
-    for the device there, every step); a step that raised before any backward reads nothing. A
-    tensor no longer the gradient at the division (the user set the gradients to None meanwhile)
-    gets nothing back; a step that raised before its division drops its copy, or
-    puts the gradients back from it (Note [a step that raised]). (A DDP stage's accumulating step
-    after a synchronized one adds its undivided sum to the divided ``p.grad``: the copy taken
-    before the accumulating step is what keeps the two apart.)
+    In _pipeline_set_aside.py: a step takes, and divides, only its own part of the gradients held.
 
 Note [a step that raised]
     In _pipeline_step_failures.py: after a step that raised before its end, the next step on a
     one-rank pipeline drops what it left (losses, gradients, buffers), and on several ranks is refused.
 
 Note [several devices in one stage]
-    The gradients a stage holds may live on several devices (a layer kept on the host, the others on an
-    accelerator). The set-aside's one pass finding the gradients that are all zeros stacked every norm into
-    one tensor, which raised at the step's first forward with norms on two devices; the norms are now
-    stacked, compared and sent towards the host per device (an event per device where it is an
-    accelerator), and read at the first backward as before (``_zero_flags``). A gradient with no values
-    to read (``meta``) counts as one to copy.
+    In _pipeline_set_aside.py.
 """
 
 from __future__ import annotations
@@ -133,14 +108,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from typing import Optional
 
 import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
 from ._pipeline_inference import (
     InferenceFailed, PeerFailedFirstSend, PeerInferenceFailed, activations_carry_gradients, arm_first_sends,
-    check_even_split, check_sent_outputs, check_shapes, check_stage_outputs, failing_inference,
+    check_even_split, check_sent_outputs, check_shapes, check_stage_outputs, failing_inference, failure_message,
     next_on_another_rank, notice_recv_ops, notice_send_ops, over_copied_buffers, read_notice, send_failure)
 from ._pipeline_notice_back import (
     PeerFailedFirstSendAfter, arm_back, back_recv_ops, back_send_ops, guard_first_loss, read_back_notice,
@@ -148,10 +122,13 @@ from ._pipeline_notice_back import (
 from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain_weight_pass, _weight_pass, _weights
 from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, last_schedule, schedule_stepping
 from ._pipeline_schedule_step import wrap_step
+from ._pipeline_set_aside import _divided, _give_back, _holders_outside_grad, _SetAside
 from ._pipeline_step_status import (
-    began, micro_batches, put_back_buffers, several_armed, status_armed, step_end_failure, told_at_step_end)
+    backward_failure_told, began, micro_batches, publish_first_step_failure, put_back_buffers, several_armed,
+    status_armed, step_end_failure, told_at_step_end)
+from ._pipeline_sync_switch import _sync_switch, _torch_data_parallel, _user_sync
 from ._pipeline_vote import backward_result, forward_vote
-from .fsdp.grad_view import ShardGrad
+from .reliability import failed_elsewhere
 
 __all__ = ["PipelineStage"]
 
@@ -169,11 +146,14 @@ class PipelineStage(_TorchPipelineStage):
     than the first (Note [micro-batches of another shape] in _pipeline_inference.py); it also trains a stage whose
     inputs need no gradient under zero-bubble schedules (Note [a stage whose inputs need no gradient]),
     refuses a step's micro-batches of unequal shapes on one rank (Note [uneven micro-batches on one rank]),
-    leaves no trace of a step that raised, or refuses the next (Note [a step that raised]), fails a first send it
+    leaves no trace of a step that raised, or refuses the next (Note [a step that raised]; also where its own part
+    of the step had ended: Note [a stage that ended in a step that raised] in _pipeline_step_failures.py),
+    fails a first send it
     cannot make on the receiving rank too (Note [a first send that cannot be made] in _pipeline_inference.py),
     and on the ranks before it (Note [a first send that cannot be made, told upstream] in
     _pipeline_notice_back.py), fails every rank at once after a failure anywhere in a step (Note [a failure
-    told at the step's end] in _pipeline_step_status.py), refuses schedules of different micro-batch counts on
+    told at the step's end] in _pipeline_step_status.py), and every data-parallel peer too (Note [a first-step
+    failure told to the data-parallel peers] there), refuses schedules of different micro-batch counts on
     every rank at once (Note [micro-batch counts that differ across ranks] in _pipeline_vote.py),
     and weights whose paths go around the inputs' (Note [weight paths around the inputs] in _pipeline_passes.py);
     torch's shape inference leaves its buffers as they were (Note [shape inference leaves the stage
@@ -255,25 +235,16 @@ class PipelineStage(_TorchPipelineStage):
         try:  # Note [a first send that cannot be made, told upstream] (_pipeline_notice_back.py)
             read_back_notice(self, bwd_chunk_id)
         except PeerFailedFirstSendAfter as e:
+            publish_first_step_failure(self, str(e))  # Note [a first-step failure told to the data-parallel peers]
             tell_upstream(self, bwd_chunk_id, str(e), told=True)
             put_back_buffers(self)  # Note [the buffers a failed step puts back] (_pipeline_step_failures.py)
             raise RuntimeError(str(e)) from None
-        try:
+        with backward_failure_told(self, bwd_chunk_id):  # Note [a failure told at the step's end]
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        except Exception as e:
-            told = told_at_step_end(self, bwd_chunk_id, e, "'s backward", True)
-            if told is None:  # Note [a failure told at the step's end] (_pipeline_step_status.py)
-                raise
-            raise told from e
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        try:
+        with backward_failure_told(self, bwd_chunk_id):  # (_pipeline_step_status.py)
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
-        except Exception as e:
-            told = told_at_step_end(self, bwd_chunk_id, e, "'s backward", True)
-            if told is None:  # Note [a failure told at the step's end] (_pipeline_step_status.py)
-                raise
-            raise told from e
 
     def forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
         try:  # Note [a first send that cannot be made] (_pipeline_inference.py)
@@ -285,11 +256,18 @@ class PipelineStage(_TorchPipelineStage):
                     and (failed := told_at_step_end(self, fwd_chunk_id, e, "", False)) is not None:
                 raise failed from e  # Note [a failure told at the step's end] (_pipeline_step_status.py)
             put_back_buffers(self)  # Note [the buffers a failed step puts back] (_pipeline_step_failures.py)
-            message = send_failure(self, fwd_chunk_id, e)
+            # a wait failed by a data-parallel peer's failure tells that failure (Note [a first-step failure told
+            # to the data-parallel peers] in _pipeline_step_status.py), and this rank publishes what it raises
+            elsewhere = None if isinstance(e, PeerFailedFirstSend) else failed_elsewhere.failure_told(e)
+            message = elsewhere or (str(e) if isinstance(e, PeerFailedFirstSend) else failure_message(
+                self, fwd_chunk_id, e))
+            if told or isinstance(e, PeerFailedFirstSend):
+                publish_first_step_failure(self, message)
+            send_failure(self, fwd_chunk_id, e, message)
             if isinstance(e, PeerFailedFirstSend):
                 raise RuntimeError(message) from None
             tell_upstream(self, fwd_chunk_id, message, told=False)  # (_pipeline_notice_back.py)
-            if told and message != str(e):  # the message the other ranks raise, naming the stage and the cause
+            if (told or elsewhere) and message != str(e):  # the message the other ranks raise: stage and cause
                 raise RuntimeError(message) from e
             raise
 
@@ -405,82 +383,13 @@ class PipelineStage(_TorchPipelineStage):
             self._held_over = True  # the set-aside waits for the synchronized step
             return
         held, self._held_before = getattr(self, "_held_before", None), None
+        if getattr(self, "_step", None) is not None:  # Note [a stage that ended in a step that raised]
+            self._step.set_aside = held
         super().scale_grads(grad_scale_factor)
         if grad_scale_factor != 1:
             for holder in _holders_outside_grad(self.submod):
                 torch._foreach_div_(holder._fusedist_unscale_targets(), grad_scale_factor)
             _give_back(self.submod, held.pairs() if held is not None else [], grad_scale_factor)
-
-
-def _divided(module) -> list:
-    """The gradients a step's division reaches: ``p.grad`` of the module's parameters, and the
-    shards of ZeRO-2 optimizers over them (Note [gradients held outside p.grad])."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    return grads + [g for holder in _holders_outside_grad(module) for g in holder._fusedist_unscale_targets()]
-
-
-class _SetAside:
-    """Gradients held at a step's first forward; which are all zeros (``zero_grad(set_to_none=False)``:
-    nothing to keep, no copy) is measured there but read, and the others copied, only at the step's
-    first backward, the first pass that changes them: a read at the forward waited for the device
-    there, once per step."""
-
-    def __init__(self, grads: list):
-        self.grads, self._pairs = grads, None
-        self._zero, self._pending = _zero_flags(grads)
-
-    def pairs(self) -> list:
-        """Each gradient with a copy of its value at the step's beginning, or None where all zeros."""
-        if self._pairs is None:
-            zero = list(self._zero)
-            for where, flags, ready in self._pending:  # one measurement per device
-                if ready is not None:
-                    ready.synchronize()  # (the measurement only: recorded right after it)
-                for i, flag in zip(where, flags.tolist()):
-                    zero[i] = flag
-            with torch.no_grad():
-                self._pairs = [(g, None if z else g.clone()) for g, z in zip(self.grads, zero)]
-        return self._pairs
-
-
-_PLAIN = (torch.Tensor, ShardGrad)  # gradients measured as plain tensors
-
-
-def _zero_flags(grads: list):
-    """Whether each gradient is all zeros (NaN is not) -- None where measured on its device -- and the
-    measurements: per device (Note [several devices in one stage]), the gradients' indices, their flags
-    copied towards the host without waiting, and an event marking them there. One pass over the
-    gradients, of any floating dtypes; a tensor of another kind (sparse, a subclass other than a
-    ``fully_shard`` piece's ``ShardGrad``, a plain tensor to every op) counts as not all zeros, as does
-    one with no values to read (meta)."""
-    zero = [True if g.numel() == 0 else None if type(g) in _PLAIN and g.layout == torch.strided  # (an empty
-            and g.is_floating_point() and g.device.type != "meta" else False for g in grads]  # shard holds nothing)
-    by_device: dict = {}
-    for i, (g, z) in enumerate(zip(grads, zero)):
-        if z is None:
-            by_device.setdefault(g.device, []).append(i)
-    return zero, [_measured(where, [grads[i] for i in where]) for where in by_device.values()]
-
-
-def _measured(where: list, dense: list) -> tuple:
-    """Whether each of ``dense`` (tensors on one device) is all zeros: the flags on the way to the host."""
-    flags = torch.stack([n.float() for n in torch._foreach_norm(dense, float("inf"))]) == 0
-    if flags.device.type != "cuda":
-        return where, flags.cpu(), None
-    host, ready = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True), torch.cuda.Event()
-    host.copy_(flags, non_blocking=True)
-    ready.record(torch.cuda.current_stream(flags.device))
-    return where, host, ready
-
-
-def _give_back(module, held: list, factor: int) -> None:
-    """Add back to each gradient held before the step the part of its earlier value the step's
-    division took, where it is still a gradient the division reached."""
-    current = {id(grad) for grad in _divided(module)}
-    with torch.no_grad():
-        for grad, before in held:
-            if before is not None and id(grad) in current:
-                grad.add_(before, alpha=1 - 1 / factor)
 
 
 def stage_holders_outside_grad() -> list:
@@ -502,93 +411,3 @@ def _weights_miss_the_inputs(module, input_values) -> bool:
     if _torch_data_parallel(module):
         return False
     return bool(_weights(module))
-
-
-def _holders_outside_grad(module) -> list:
-    """The distinct gradient holders of ``module``'s parameters that keep the gradients where
-    ``p.grad`` is not (ZeRO stage 2's shards; a ``fully_shard`` shard is ``p.grad`` itself)."""
-    from .ownership import any_gradient_holder, gradient_holder
-
-    found = {}
-    for p in module.parameters() if any_gradient_holder() else ():
-        holder = gradient_holder(p)
-        in_user_view = getattr(holder, "_fusedist_grads_in_user_view", None)
-        if in_user_view is not None and not in_user_view():
-            found.setdefault(id(holder), holder)
-    return list(found.values())
-
-
-def _torch_data_parallel(module) -> bool:
-    """A module of torch's own data parallelism, whose passes torch's stage runs (it switches
-    their gradient sync itself)."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    return isinstance(module, (FSDPModule, TorchDDP))
-
-
-@contextlib.contextmanager
-def _micro_batch(module, last: bool):
-    """Accumulate without communication, parameters kept gathered, unless it is the stage's
-    last backward of the step (and the user has not switched gradient sync off); the module's
-    own settings come back afterwards."""
-    states = module._fs_states()
-    saved = [(owner, name, getattr(owner, name)) for st in states
-             for owner, names in ((st, ("requires_all_reduce",)), (st.grads, ("reduce_grads", "all_reduce_grads")),
-                                  (st.unit, ("reshard_after_backward",)))
-             if owner is not None for name in names]
-    # the user's own set_requires_gradient_sync(False) (accumulating across steps) still holds
-    module.set_requires_gradient_sync(last and _user_sync(module))
-    module.set_reshard_after_backward(last)
-    try:
-        yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-
-
-def _sync_switch(module):
-    """How to make the next backward of a stage module synchronize its gradients or only
-    accumulate them: a context manager taking ``last``, or None for a module fusedist does not
-    reduce (Note [pipeline stages of fully_shard modules])."""
-    from .ddp import DistributedDataParallel
-    from .ddp.replicate import wrapper_of
-    from .fsdp import FullyShardedModule
-
-    if isinstance(module, FullyShardedModule):
-        return lambda last: _micro_batch(module, last)
-    if isinstance(module, DistributedDataParallel):  # the user's no_sync() still holds
-        return lambda last: _ddp_backward(module, last and _user_sync(module))
-    engine = wrapper_of(module)  # a fusedist.replicate module's (built at its first forward)
-    if engine is None:
-        return None
-    return lambda last: _ddp_backward(engine, last and _user_sync(module))
-
-
-def _user_sync(module) -> Optional[bool]:
-    """The user's own switch of a stage module fusedist reduces: False under
-    ``set_requires_gradient_sync(False)`` or DDP's ``no_sync`` (accumulating across steps),
-    None for a module fusedist does not reduce."""
-    from .ddp import DistributedDataParallel
-    from .ddp.replicate import _STATE, wrapper_of
-    from .fsdp import FullyShardedModule
-
-    if isinstance(module, FullyShardedModule):
-        return all(st.grads.reduce_grads for st in module._fs_states() if st.grads is not None)
-    if isinstance(module, DistributedDataParallel):
-        return module.require_backward_grad_sync
-    if wrapper_of(module) is None:
-        return None
-    return bool(module.__dict__[_STATE].requires_gradient_sync)
-
-
-@contextlib.contextmanager
-def _ddp_backward(engine, last: bool):
-    """The DDP engine's next backward synchronizes only if it is the step's last: its switch is
-    read when a backward begins, not at the forward, which a pipeline runs micro-batches ahead."""
-    engine.reducer.next_backward_sync = last
-    engine.reducer.prepared = True  # each micro-batch's forward prepared it, runs ago
-    try:
-        yield
-    finally:
-        engine.reducer.next_backward_sync = True

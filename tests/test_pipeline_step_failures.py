@@ -204,11 +204,64 @@ def _sharded_stage_after_a_failed_step_worker(rank, world_size, seed):
     return first, second, same
 
 
+def _count_forward(module, args) -> None:
+    module.forwards.add_(1)
+
+
+def _ended_stage_in_a_failed_step_worker(rank, world_size, seed):
+    """pp 1 x dp 2, two stages on the rank (interleaved 1F1B), the same batches on both ranks; stage 1's module
+    plain, fusedist's or torch's fully_shard: a good step, then (accumulating) a step whose stage 0 raises in
+    its backward of the last micro-batch (after stage 1's part of the step ended), then a good step. Per kind:
+    what the failed and the next step raised, and (a plain stage 1) the gradients' largest difference from the
+    unpipelined model's on the good batches and its forwards counted by a buffer, or (a sharded one) whether
+    the refused step left its gradients as they were."""
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
+    wraps = {"plain": lambda m: m, "fully_shard": lambda m: fusedist.fully_shard(m, mesh=mesh["dp"]),
+             "torch fully_shard": lambda m: torch_fully_shard(m, mesh=mesh["dp"])}
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)) for _ in range(3)]
+    out = {}
+    for kind, wrap in wraps.items():
+        model = _model(seed)
+        if kind == "plain":  # a buffer each forward of stage 1 updates (the failed step's are put back)
+            model[2].register_buffer("forwards", torch.zeros((), dtype=torch.int64))
+            model[2].register_forward_pre_hook(_count_forward)
+        stages = [PipelineStage(m, i, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+                  for i, m in enumerate((model[:2], wrap(model[2:])))]
+        schedule = pipelining.ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES, loss_fn=_mse)
+        schedule.step(batches[0][0], target=batches[0][1])  # (its gradients kept: the failed step finds them)
+        breaking = model[0].weight.register_hook(_breaking_at(MICRO_BATCHES - 1))  # stage 0's last backward
+        failed = _refused(lambda: schedule.step(batches[1][0], target=batches[1][1]))
+        breaking.remove()
+        held = [None if p.grad is None else p.grad.clone() for p in model[2:].parameters()]
+        following = _refused(lambda: schedule.step(batches[2][0], target=batches[2][1]))
+        if kind == "plain":
+            whole = _model(seed)
+            for x, y in (batches[0], batches[2]):  # (equal micro-batches: the mean of their means)
+                _mse(whole(x), y).backward()
+            outcome = (max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(),
+                                                                                  whole.parameters())),
+                       int(model[2].forwards))
+        else:
+            outcome = all((a is None and p.grad is None) or (a is not None and torch.equal(a, p.grad))
+                          for a, p in zip(held, model[2:].parameters()))
+        out[kind] = (failed, following, outcome)
+    return out
+
+
 def _zeroed_gradients_worker(rank, world_size, seed):
     """pp 1 x dp 2 under GPipe, per stage kind: two optimizer steps, each after a step that
     starts from gradients zeroed in place and a second step accumulating; per step, the number of
     gradients its set-aside copied and the stage's forwards before the host first read tensor
     values in the step; and the weights' difference from torch's SGD."""
+    import fusedist._pipeline_set_aside as set_aside
     import fusedist.pipelining as pipelining
 
     taken, reads = [], []
@@ -223,11 +276,11 @@ def _zeroed_gradients_worker(rank, world_size, seed):
 
     def read(tensor):  # a host read of tensor values by the pipeline stage's own code
         stage = current[0]
-        if stage is not None and stage._step is not None and sys._getframe(1).f_code.co_filename == pipelining.__file__:
+        if stage is not None and stage._step is not None and sys._getframe(1).f_code.co_filename in own_files:
             reads.append(stage._step.forwards)
         return tolist(tensor)
 
-    current = [None]
+    current, own_files = [None], {pipelining.__file__, set_aside.__file__}
     pipelining._SetAside.pairs, torch.Tensor.tolist = counted, read
     out = {}
     try:
@@ -592,13 +645,36 @@ def test_a_sharded_stage_after_a_failed_step_with_backwards_is_refused(launched)
         assert same, rank
 
 
+def test_a_stage_whose_part_ended_in_a_failed_step_is_put_back_or_refused(launched):
+    """Note [a stage that ended in a step that raised]: two stages on the rank, stage 0 raising in its backward of
+    the last micro-batch after stage 1's part of the step had ended (its gradients reduced and divided). That
+    stage kept the failed step's gradients and the next step added its own, silently (1e-2 to 1e-1 off),
+    whatever its module. Now a plain stage 1 gets them back (the good step's, set aside) and the next step
+    gives the unpipelined model's gradients of the two good batches (fp32, the same terms in another order:
+    1e-6), its buffers those of the good steps; a fully_shard one (fusedist's or torch's) refuses the next
+    step, naming why, and leaves its gradients as they were."""
+    seed = launched["seed"]
+    for rank, out in enumerate(results_of(launched, "ended stage in a failed step")):
+        for kind, (failed, following, outcome) in out.items():
+            assert failed is not None and "stage backward" in failed, (seed, rank, kind, failed)  # (torch's words)
+            if kind == "plain":
+                assert following is None and outcome[0] < 1e-6, (seed, rank, kind, following, outcome)
+                assert outcome[1] == 2 * MICRO_BATCHES, (rank, outcome)  # the good steps' forwards only
+                continue
+            assert following is not None and "stage 1 (rank" in following, (seed, rank, kind, following)
+            assert "raised at another stage of this rank after this stage's part of it had ended" in following \
+                and "cannot be put back" in following, (rank, kind, following)
+            assert outcome, (seed, rank, kind)
+
+
 def test_zeroed_gradients_are_not_copied_at_a_step(launched):
     """Note [accumulating over synchronized pipeline steps]: a step starting from gradients
     zeroed in place copies none; the next step, accumulating, copies each gradient it reaches
     (so the count is of something); the weights follow torch's SGD on the unpipelined model.
     Which gradients are zeros is read at the step's first backward (GPipe: after its 4 forwards),
     not at its first forward, where the read made the host wait for the device every step
-    (counted: host reads of tensor values by fusedist/pipelining.py's code)."""
+    (counted: host reads of tensor values by the stage's own code, fusedist/pipelining.py and
+    fusedist/_pipeline_set_aside.py)."""
     seed = launched["seed"]
     for rank, out in enumerate(results_of(launched, "zeroed gradients")):
         for kind, (copies, first_reads, diff) in out.items():
@@ -746,6 +822,8 @@ def launched(request):
         "test_a_sharded_stage_after_a_failed_step_with_backwards_is_refused": {
             "sharded stage after a failed step": (_sharded_stage_after_a_failed_step_worker, (seed,))},
         "test_zeroed_gradients_are_not_copied_at_a_step": {"zeroed gradients": (_zeroed_gradients_worker, (seed,))},
+        "test_a_stage_whose_part_ended_in_a_failed_step_is_put_back_or_refused": {
+            "ended stage in a failed step": (_ended_stage_in_a_failed_step_worker, (seed,))},
         "test_a_step_after_one_that_raised_across_ranks_is_refused_on_every_rank": {
             "failed across ranks": (_failed_across_ranks_worker, (seed,))},
         "test_a_failure_with_several_stages_per_rank_fails_every_rank_at_once": {
@@ -810,7 +888,7 @@ def test_the_set_aside_measures_gradients_of_several_devices_and_dtypes():
     stage's gradients on several devices that stack raised at the step's first forward. The norms are now
     stacked per device; a gradient with no values to read (meta) counts as not all zeros (copied, never
     read); dtypes mix. Reference: each gradient's own count of nonzeros (NaN is nonzero)."""
-    from fusedist.pipelining import _SetAside
+    from fusedist._pipeline_set_aside import _SetAside
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, ())))
     grads = [torch.zeros(3), torch.randn(4, generator=g).to(torch.bfloat16), torch.zeros(5, device="meta"),

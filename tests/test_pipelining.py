@@ -765,6 +765,7 @@ def _weight_pass_after_a_forward_worker(rank, world_size, seed):
     """An input pass, a forward of another micro-batch (which reshards the blocks), then the
     weight pass: the gradients of the unsharded model's backward."""
     import fusedist
+    from fusedist import _pipeline_sync_switch as sync_switch
     from fusedist import pipelining as stages
 
     def build():
@@ -778,12 +779,12 @@ def _weight_pass_after_a_forward_worker(rank, world_size, seed):
     x = torch.randn(4, WIDTH, requires_grad=True)
     out = ours(x)
     grad = torch.randn_like(out)
-    with stages._micro_batch(ours, last=False):
+    with sync_switch._micro_batch(ours, last=False):
         dx, groups = stages._input_pass(ours, {"stage_output": (out,), "output_grads": (grad,), "input_values": [x]})
     with torch.no_grad():
         ours(torch.randn(4, WIDTH))  # the next micro-batch: each block reshards after its forward
     resharded = sum(not block._fs_states()[0].unit.is_unsharded for block in ours)
-    with stages._micro_batch(ours, last=True):
+    with sync_switch._micro_batch(ours, last=True):
         stages._weight_pass(ours, groups)
     x2 = x.detach().clone().requires_grad_(True)
     theirs(x2).backward(grad)
@@ -1029,9 +1030,12 @@ def test_stages_of_fusedist_ddp_reduce_once_per_step(launched4):
 
 
 
-def _dp_peer_failure_worker(rank, world_size, seed):
-    """pp=2 x dp=2; stage 1 of pipeline 0 (global rank 2) fails in its loss at micro-batch 2 of a step: each
-    rank's error and how long after the step began it came."""
+def _dp_peer_failure_worker(rank, world_size, seed, micro_batch=2, cases=(("DistributedDataParallel", False),
+                                                                          ("fully_shard", False))):
+    """pp=2 x dp=2; stage 1 of pipeline 0 (global rank 2) fails in its loss at ``micro_batch`` of the first step
+    (each rank catches the error and goes on), per case: the stage module's wrapper, and whether the stages are
+    given their shapes (else the first step infers them). Each rank's error and how long after the step began
+    it came."""
     from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -1039,31 +1043,34 @@ def _dp_peer_failure_worker(rank, world_size, seed):
     from fusedist.pipelining import PipelineStage
 
     out = {}
-    for wrap in ("DistributedDataParallel", "fully_shard"):
+    for wrap, shapes_given in cases:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         pp, dp = mesh["pp"], mesh["dp"]
         module = _stage_module(pp.get_local_rank(), 2, seed)
         wrapped = (fusedist.DistributedDataParallel(module, process_group=dp.get_group())
                    if wrap == "DistributedDataParallel" else fusedist.fully_shard(module, mesh=dp))
-        stage = PipelineStage(wrapped, pp.get_local_rank(), 2, torch.device("cpu"), group=pp.get_group())
+        shapes = {"input_args": (torch.empty(2, WIDTH),), "output_args": (torch.empty(2, WIDTH),)}
+        stage = PipelineStage(wrapped, pp.get_local_rank(), 2, torch.device("cpu"), group=pp.get_group(),
+                              **(shapes if shapes_given else {}))
 
         def loss_fn(o, t):
             if bool((t == 777).all()):
-                raise ValueError("the target of micro-batch 2 is refused")
+                raise ValueError(f"the target of micro-batch {micro_batch} is refused")
             return ((o - t) ** 2).mean()
 
         schedule = pipelining.Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
         g = torch.Generator().manual_seed(seed + dp.get_local_rank())
         x, y = torch.randn(2 * MICRO_BATCHES, WIDTH, generator=g), torch.randn(2 * MICRO_BATCHES, WIDTH, generator=g)
         if rank == 2:
-            y[4:6] = 777  # micro-batch 2's rows
+            y[2 * micro_batch:2 * micro_batch + 2] = 777  # the micro-batch's rows
         torch.distributed.barrier()
         began, raised, collective = time.monotonic(), None, None
         try:
             schedule.step(x) if pp.get_local_rank() == 0 else schedule.step(target=y)
         except RuntimeError as e:
             raised, collective = str(e), _collective_error_in_chain(e)
-        out[wrap] = (time.monotonic() - began, raised, _failure_entries_left(), collective)
+        out[wrap + (", shapes given" if shapes_given else "")] = (
+            time.monotonic() - began, raised, _failure_entries_left(), collective)
     return out
 
 
@@ -1116,6 +1123,33 @@ def test_a_failure_in_one_pipeline_fails_every_data_parallel_pipeline_promptly(l
                 # the report lists the failed peer as failed, not as a rank at a collective or one behind
                 assert "FAILED outside this group's collectives" in report and "programs diverged" not in report \
                     and "behind" not in report, (wrap, collective)
+
+
+def test_a_first_step_failure_at_micro_batch_0_fails_every_data_parallel_pipeline_promptly(launched4):
+    """As above, at micro-batch 0 of the first step, which the pipeline tells by its shape inference's notices
+    (Note [a shape inference that fails on one rank]) or, where the stages were given their shapes, by the
+    first sends' (Note [a first send that cannot be made, told upstream]): global ranks 2 and 0 raised at once,
+    while their data-parallel peers waited in reductions they never issue until the collective timeout (20 s
+    here; the process's end where it does not catch the error). The ranks raising from those notices publish
+    the failure first (Note [a first-step failure told to the data-parallel peers]): every rank raises the
+    failure's own message shortly after the probe's delay (0.5 s here); the peers' waits were ended by the
+    probe, naming it."""
+    cause = "ValueError: the target of micro-batch 0 is refused"
+    told = {"DistributedDataParallel": "shape inference (backward) failed at stage 1 (rank 1 of the pipeline's "
+                                       f"group): {cause}",
+            "fully_shard, shapes given": "stage 1 (rank 1 of the pipeline's group, global rank 2) failed at "
+                                         f"micro-batch 0's loss: {cause}"}
+    per_rank = results_of(launched4, "dp peer first step failure")
+    for rank, out in enumerate(per_rank):
+        assert set(out) == set(told), (rank, out)
+        for case, (seconds, raised, left, collective) in out.items():
+            assert raised is not None and told[case] in raised, (rank, case, raised)
+            assert raised == per_rank[2][case][1], (rank, case, raised)  # the failing rank's own message
+            assert seconds < 10, (rank, case, seconds, raised)  # (the collective timeout: 20 s)
+            if rank in (1, 3):  # (the failing pipeline's data-parallel peers)
+                assert "failed elsewhere: " in (collective or "") and told[case] in collective, (rank, case, collective)
+            else:  # kept: the pipeline refuses every later step, and each peer that read it gave the group up
+                assert left, (rank, case, left)
 
 
 def _no_sync_worker(rank, world_size, seed):
@@ -1432,6 +1466,7 @@ def test_uneven_micro_batches_on_one_rank_are_refused(launched2):
 # ~8 s of starting ranks), each with a fresh dynamo (compiled blocks recompile as in a spawn
 # of their own). One random seed per spawn, named in the failures.
 SKIPPING = {"Schedule1F1B": 1, "ScheduleInterleavedZeroBubble": 2}
+PROMPT_PROBE = {"FUSEDIST_DIVERGENCE_PROBE_S": "0.5", "FUSEDIST_TIMEOUT_S": "20"}  # (the failure scenarios, last)
 
 
 @pytest.fixture(scope="module")
@@ -1452,8 +1487,10 @@ def launched4(request, tmp_path_factory):
         "test_zero_bubble_trains_weights_whose_paths_go_around_the_inputs": {
             "around the inputs": (_around_the_inputs_worker, seed)},
         "test_a_failure_in_one_pipeline_fails_every_data_parallel_pipeline_promptly": {  # (last: it fails a step)
-            "dp peer failure": (under_env, {"FUSEDIST_DIVERGENCE_PROBE_S": "0.5", "FUSEDIST_TIMEOUT_S": "20"},
-                                _dp_peer_failure_worker, seed)},
+            "dp peer failure": (under_env, PROMPT_PROBE, _dp_peer_failure_worker, seed)},
+        "test_a_first_step_failure_at_micro_batch_0_fails_every_data_parallel_pipeline_promptly": {  # (it too)
+            "dp peer first step failure": (under_env, PROMPT_PROBE, _dp_peer_failure_worker, seed, 0,
+                                           (("DistributedDataParallel", False), ("fully_shard", True)))},
     })
     return {"seed": seed, **launch_for_selected(request, jobs, 4, timeout=600)}
 

@@ -153,12 +153,17 @@ def _lone_exchange_worker(rank, world_size, directory):
         out["mismatch"] = (type(exc).__name__, str(exc))
     out["after_mismatch"] = opt.consolidate_state_dict(to=0) is not None  # both ranks, in step
 
-    # (2) consolidate_state_dict on rank 0 only; rank 1 runs a training step meanwhile.
+    # (2) consolidate_state_dict on rank 0 only; rank 1 runs a training step meanwhile. Each report
+    # names the other rank's collective, so it waits for the other's entry: the first rank to fail
+    # closes the connection and the other fails at once, with a report window that starts before the
+    # first one, descheduled on a loaded machine, may have written its entry (2 s was once too short).
+    # A report returns as soon as every entry is in: the longer window costs nothing where all report.
     torch.manual_seed(0)
     model = fusedist.DistributedDataParallel(models.MLP(), process_group=groups[1])
     opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     gen = torch.Generator().manual_seed(rank)
     _train(model, opt, gen, 1)
+    window, os.environ["FUSEDIST_STALL_REPORT_S"] = os.environ["FUSEDIST_STALL_REPORT_S"], "12"
     start = time.monotonic()
     try:
         if rank == 0:
@@ -167,6 +172,8 @@ def _lone_exchange_worker(rank, world_size, directory):
             _train(model, opt, gen, 1)
     except StallError as exc:
         out["consolidate"] = (str(exc), exc.report, time.monotonic() - start)
+    finally:
+        os.environ["FUSEDIST_STALL_REPORT_S"] = window  # (3) waits its window out: no entry comes there
 
     # (3) DistributedDataParallel on rank 0 only (default group); rank 1 meanwhile waits for
     # rank 0 in an exchange of the checkpoint writer's group, which never comes.
@@ -194,10 +201,11 @@ def test_exchanges_made_by_one_rank_are_bounded_and_reported(tmp_path):
     path: bounded by FUSEDIST_TIMEOUT_S (3 s, not the group's 30 s), a StallError naming the op
     and the absent rank, and reports that say which op each rank was in."""
     env = {"FUSEDIST_TIMEOUT_S": "3", "FUSEDIST_STALL_REPORT_S": "2"}
-    # The monitored path raises after the 3 s timeout, plus up to the 2 s report wait (measured:
-    # 3.0-3.2 s for consolidation, 5.0-5.1 s for construction); an exchange outside it waits for
-    # the group's 30 s. Any bound between the two tells them apart: 20 s leaves a loaded 2-core
-    # machine 15 s of scheduling delay, where 8 s left 3.
+    # The monitored path raises after the 3 s timeout, plus the report's wait for the other rank's
+    # entry (measured: 3.0-3.2 s for consolidation, where both report; 5.0-5.1 s for construction,
+    # which waits its 2 s window out); an exchange outside it waits for the group's 30 s. Any bound
+    # between the two tells them apart: 20 s leaves a loaded 2-core machine 15 s of scheduling
+    # delay, where 8 s left 3.
     bound = 20
     results = run_distributed(_lone_exchange_worker, 2, str(tmp_path / "ckpt"), env=env, timeout=90,
                               pg_timeout=30)
@@ -541,10 +549,15 @@ def _cleared_grads_worker(rank, world_size):
     apart). Clearing on every rank alike is no divergence."""
     import fusedist
 
-    def outcome(clears, set_to_none=True):
+    def outcome(clears, set_to_none=True, handed_over=False):
         torch.manual_seed(0)
         model = fusedist.DistributedDataParallel(models.MLP())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if handed_over:  # (Lightning's and Fabric's swap to the fused SGD, before its first step; the loop keeps opt)
+            from fusedist.integrations._optimizer_swap import convert_optimizer, hand_over
+
+            hand_over(opt, convert_optimizer(opt, fused_optimizer=True, zero_stage=0, master_weights=False,
+                                             strategy="swap", fresh_from="build it anew"), ())
         gen = torch.Generator().manual_seed(rank)
         for step in range(4):  # (far below the parameter check's period)
             x, y = models.MLP.batch(gen)
@@ -556,13 +569,16 @@ def _cleared_grads_worker(rank, world_size):
 
     return {"alike": models.mismatch_or(outcome, True), "one rank": models.mismatch_or(outcome, rank == 1),
             "alike in place": models.mismatch_or(outcome, True, False),
-            "one rank in place": models.mismatch_or(outcome, rank == 1, False)}
+            "one rank in place": models.mismatch_or(outcome, rank == 1, False),
+            "alike in place handed over": models.mismatch_or(outcome, True, False, True),
+            "one rank in place handed over": models.mismatch_or(outcome, rank == 1, False, True)}
 
 
 def test_gradients_cleared_before_the_step_on_one_rank_are_named_at_the_next_check(launched):
-    """Set to None or zeroed in place (zero_grad(set_to_none=False): Note [gradients cleared before the step])."""
+    """Set to None or zeroed in place (zero_grad(set_to_none=False): Note [gradients cleared before the step]),
+    also through an optimizer handed over to a fused one before its first step (the kept one's zero_grad)."""
     for rank, out in enumerate(results_of(launched, "cleared grads")):
-        for case in ("", " in place"):
+        for case in ("", " in place", " in place handed over"):
             assert out["alike" + case] == "no error", (case, out["alike" + case])
             text = out["one rank" + case]
             assert f"this is rank {rank}" in text and "synchronized backward #2" in text, (case, text)

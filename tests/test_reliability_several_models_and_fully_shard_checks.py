@@ -203,6 +203,34 @@ def test_fully_shard_gradients_cleared_before_the_step_on_one_rank_are_named(lau
             assert "grads_cleared: ranks [0]: 0; ranks [1]: 1 -- " in text, (case, text)
 
 
+def _sharded_torch_loss_scale_worker(rank, world_size):
+    """torch.amp.GradScaler kept with fully_shard, its scale set by update(new_scale) on one rank only:
+    each rank unscales by its own scale, so the replicas drift apart while every counter agrees
+    (torch's FSDP2 trains on silently). Noted where it unscales (Note [torch's GradScaler in the step
+    check] in scale_check.py); the same scale set on every rank is no divergence."""
+    def outcome(new_scale):
+        model, opt = _sharded_block_stack()
+        scaler = torch.amp.GradScaler("cpu")
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(4):  # (far below the parameter check's period)
+            scaler.scale(model(torch.randn(4, 5, generator=gen)).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update(new_scale if step == 0 else None)
+            opt.zero_grad()
+
+    return {"alike": models.mismatch_or(outcome, 1024.0),
+            "one rank": models.mismatch_or(outcome, 1024.0 if rank == 1 else None)}
+
+
+def test_fully_shard_torch_grad_scaler_scales_that_differ_are_named_a_step_later(launched):
+    for rank, out in enumerate(results_of(launched, "torch loss scale")):
+        assert out["alike"] == "no error", out["alike"]
+        text = out["one rank"]
+        assert f"this is rank {rank}" in text and "synchronized backward #2" in text, text
+        assert "loss_scale: ranks [0]: 65536.0; ranks [1]: 1024.0 -- " in text, text
+        assert "trainable:" not in text and "optimizer_steps:" not in text, text
+
+
 def _sharded_checks_off_worker(rank, world_size):
     """(Run before any model with the checks on: the optimizer-step guard, once installed, stays.)"""
     os.environ["FUSEDIST_CHECKS"] = "0"  # (as the whole launch had it: read when sharded and at each step)
@@ -240,4 +268,6 @@ def launched(request):
             "dropout mode": (_sharded_dropout_mode_worker, ())},
         "test_fully_shard_gradients_cleared_before_the_step_on_one_rank_are_named": {
             "cleared grads": (_sharded_cleared_grads_worker, ())},
+        "test_fully_shard_torch_grad_scaler_scales_that_differ_are_named_a_step_later": {
+            "torch loss scale": (_sharded_torch_loss_scale_worker, ())},
     }, 2, timeout=120)

@@ -128,6 +128,51 @@ def test_grad_scaler_after_unscale_is_refused_under_join_on_every_rank(two_ranks
                 f"rank {rank}, batches per rank {counts}: trained on (the joined rank steps with scaled gradients)"
 
 
+def _one_rank_clip_worker(rank, world, seed):
+    """The optimizer's own clip_grad_norm_ after GradScaler.unscale_ (which reduced the norm already: the
+    clip communicates nothing) on one rank only: that rank's shard steps clipped, the other's not, and the
+    all-gathered parameters agree on every rank, so no digest tells (torch's ZeroRedundancyOptimizer does
+    the same silently). Counted as torch's clip is (Note [a clip on some ranks only] in clip_check.py)."""
+    import fusedist
+    from fusedist._consistency import RankMismatchError
+
+    def outcome(stage, clips):
+        torch.manual_seed(seed)
+        model = fusedist.DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
+        zero = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.1)
+        scaler = fusedist.amp.GradScaler("cpu")
+        norms = []
+        try:
+            for i, (x, y) in enumerate(_batches(seed, rank, 4)):  # (far below the parameter check's period)
+                zero.zero_grad()
+                scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+                scaler.unscale_(zero)
+                if i == 1 and clips:
+                    norms.append(float(zero.clip_grad_norm_(0.01)))
+                scaler.step(zero)
+                scaler.update()
+        except RankMismatchError as exc:
+            return str(exc)
+        return norms
+
+    return {f"stage {stage} {case}": outcome(stage, clips)
+            for stage in (1, 2) for case, clips in (("alike", True), ("one rank", rank == 1))}
+
+
+def test_a_zero_clip_on_one_rank_only_is_named_at_the_next_check(two_ranks):
+    results = results_of(two_ranks, "one rank clip")
+    for rank, out in enumerate(results):
+        for stage in (1, 2):
+            alike = out[f"stage {stage} alike"]
+            assert isinstance(alike, list) and len(alike) == 1, (stage, alike)
+            assert alike == results[0][f"stage {stage} alike"], (stage, alike)  # (the norm of averaged gradients)
+            text = out[f"stage {stage} one rank"]
+            assert f"this is rank {rank}" in text and "synchronized backward #2" in text, (stage, text)
+            assert "clips: ranks [0]: 0; ranks [1]: 1 -- clip_grad_norm_ was called on some ranks only" in text, \
+                (stage, text)
+            assert "params:" not in text and "optimizer_steps:" not in text, (stage, text)
+
+
 # ----------------------------------------------------------------------------- one launch per world size
 # The 2-rank work of the tests above runs in one launch of the ranks, the 3-rank work in another
 # (each launch costs a process group and the imports of torch in every rank); fresh seeds per launch.
@@ -146,6 +191,7 @@ def two_ranks(request):
     return _launch(request, 2, {
         "test_clip_under_join_with_a_rank_without_batches_matches_torch": {"clip": (_worker, (COUNTS[2],))},
         "test_grad_scaler_after_unscale_is_refused_under_join_on_every_rank": {"scaler": (_scaler_worker, ())},
+        "test_a_zero_clip_on_one_rank_only_is_named_at_the_next_check": {"one rank clip": (_one_rank_clip_worker, ())},
     })
 
 

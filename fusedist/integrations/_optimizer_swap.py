@@ -257,7 +257,7 @@ def hand_over(old, new, schedulers) -> None:
     old.__dict__.pop(_TAKEN_BACK, None)
     old._opt_called = _SteppedThrough(new)
     hand_protocol_over(old, new)  # (a GradScaler given old tells new: Note [the returned optimizer])
-    old.step, old.zero_grad = _step_of(new, old, scheduled), new.zero_grad
+    old.step, old.zero_grad = _step_of(new, old, scheduled), _zero_grad_of(new, old)
     old.param_groups = new.param_groups
     old.add_param_group = new.add_param_group
     old.state_dict, old.load_state_dict = new.state_dict, new.load_state_dict
@@ -441,6 +441,19 @@ def _step_of(new, old, scheduled: bool):
     if scheduled:
         step._wrapped_by_lr_sched = True
     return types.MethodType(step, old)
+
+
+def _zero_grad_of(new, old):
+    """``old.zero_grad``: ``new``'s, looked up at each call. The per-step check gives ``new`` its own
+    ``zero_grad`` at its first guarded step, which notes a clearing before the step (Note [gradients
+    cleared before the step] in fusedist/reliability/optimizer_guard.py); ``new``'s bound method taken
+    at the hand-over, usually before that step, would bypass it, and zeroing through ``old`` went unseen."""
+
+    def zero_grad(self, *args, **kwargs):
+        return new.zero_grad(*args, **kwargs)
+
+    zero_grad.__doc__ = type(new).zero_grad.__doc__
+    return types.MethodType(zero_grad, old)
 
 
 # Note [the returned optimizer's step hooks]

@@ -15,10 +15,14 @@ Note [a clip on some ranks only]
     Where the gradients are sharded (``fully_shard``, ZeRO stage 2) the clip is itself a collective
     (the global norm's all-reduce): one rank's clip leaves it unpaired and the divergence probe names
     it first; the count matters where the clip communicates nothing (DDP's replicated gradients).
+    A ``ZeroRedundancyOptimizer``'s own ``clip_grad_norm_`` is counted too: after ``GradScaler.unscale_``
+    it reuses the norm the unscale reduced and communicates nothing, so one rank's clip scaled its own
+    shard's update alone -- the parameters all-gathered afterwards agree on every rank, and no digest
+    could tell (torch's ZeroRedundancyOptimizer, each rank stepping its shard from its own ``p.grad``,
+    does the same silently). Without the unscale its all-reduce is unpaired, named by the probe as above.
     A clip with ``max_norm=inf`` scales nothing (the norm taken for logging, often on rank 0 only)
     and is not counted. A clip traced into a compiled region over parameters without a gradient
-    holder is torch's own, traced, and is not counted (on any rank); other clips (a ZeRO
-    optimizer's own ``clip_grad_norm_``) are not counted either.
+    holder is torch's own, traced, and is not counted (on any rank).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 
 from ..optim._scaler_protocol import ScalerProtocol
 from ..optim.grad_norms import flag_nan, norm_result_dtype, tensor_norms, unflag_nan
+from ..reliability.clip_check import count_clip
 from . import grow, step_flag, trainable_check
 from .eager import eager_clip
 
@@ -137,7 +138,6 @@ class ZeroScalerProtocol(ScalerProtocol):
         return [p.grad for p in self._trainable_params() if p.grad is not None]
 
     @eager_clip  # (Note [a compiled step runs eagerly] in optimizer.py)
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the global gradient norm (over every rank's shard) to ``max_norm``; returns the
@@ -149,6 +149,15 @@ class ZeroScalerProtocol(ScalerProtocol):
         ``p.grad`` is not modified. Call it after backward (and after ``scaler.unscale_``),
         before ``step()``.
         """
+        # Counted for the per-step check, as torch's clip is: after unscale_ this clip communicates
+        # nothing, and one rank's clip scaled its shard's update alone, unseen (Note [a clip on some
+        # ranks only] in fusedist/reliability/clip_check.py).
+        count_clip(self._trainable_params(), max_norm)
+        return self._clip_all_grads_(max_norm, norm_type, error_if_nonfinite)
+
+    @torch.no_grad()
+    def _clip_all_grads_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+        """:meth:`clip_grad_norm_`, uncounted (``fusedist.clip_grad_norm_`` counted the call already)."""
         norm_type = float(norm_type)
         ctx = self.step_context
         written = self._fusedist_check_grads_since_unscale()  # Note [gradients changed after unscale_]
@@ -235,7 +244,7 @@ class ZeroScalerProtocol(ScalerProtocol):
                 "stage 2; pass exactly that optimizer's trainable parameters (or call "
                 "optimizer.clip_grad_norm_)"
             )
-        return self.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        return self._clip_all_grads_(max_norm, norm_type, error_if_nonfinite)
 
     def _inner_step(self) -> None:
         """Step the inner optimizer over the pieces with this step's inverse scale, clip

@@ -1,7 +1,8 @@
 """fusedist.checkpoint under the misuse and failures that tests/test_checkpoint.py and
 tests/test_resume.py do not cover: resharding with FusedAdamW and across optimizer kinds
-(with GradScaler and LR-scheduler state), a write failing on rank 0, mismatched models, and
-directories that are not checkpoints.
+(with GradScaler and LR-scheduler state), and of parameters whose lengths 2 and 3 do not divide
+(fp32 masters over bf16 parameters, ZeRO-2 with CPU offload, fully_shard with bf16 compute), a
+write failing on rank 0, mismatched models, and directories that are not checkpoints.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 # ----------------------------------------------------------------------------- resharding
 
@@ -83,12 +85,31 @@ PAIRS_2_TO_3 = [("ddp_fused", "ddp_fused"), ("zero2_fused", "zero2_fused"), ("ze
 PAIRS_3_TO_2 = [("zero1_fused", "zero1_fused"), ("zero2_fused", "ddp_torch"), ("ddp_fused", "zero2_fused")]
 
 
-@pytest.mark.parametrize("sizes,pairs", [((2, 3), PAIRS_2_TO_3), ((3, 2), PAIRS_3_TO_2)], ids=["2to3", "3to2"])
-def test_continues_at_another_world_size_like_an_uninterrupted_run(tmp_path, sizes, pairs):
-    root = str(tmp_path)
-    reference = run_distributed(_train_all, sizes[0], root, pairs, "before", 6, timeout=300)
-    resumed = run_distributed(_train_all, sizes[1], root, pairs, "after", 3, timeout=300)
-    for i, pair in enumerate(pairs):
+PAIRS = {(2, 3): PAIRS_2_TO_3, (3, 2): PAIRS_3_TO_2}
+
+
+@pytest.fixture(scope="module", params=[(2, 3), (3, 2)], ids=["2to3", "3to2"])
+def across(request, tmp_path_factory):
+    """The selected cross-world scenarios of this file, saved at ``sizes[0]`` ranks in one launch
+    and loaded at ``sizes[1]`` in another: ``(sizes, saved, loaded)``."""
+    sizes = request.param
+    root = str(tmp_path_factory.mktemp(f"across_{sizes[0]}_to_{sizes[1]}"))
+
+    def scenarios(phase: str) -> dict:
+        return {"test_continues_at_another_world_size_like_an_uninterrupted_run":
+                {"pairs": (_train_all, (root, PAIRS[sizes], phase, 6 if phase == "before" else 3))},
+                "test_odd_sized_parameters_continue_at_another_world_size":
+                {"odd sizes": (_odd_sizes, (root, sizes, phase))}}
+
+    saved = launch_for_selected(request, scenarios("before"), sizes[0], timeout=300)
+    loaded = launch_for_selected(request, scenarios("after"), sizes[1], timeout=300)
+    return sizes, saved, loaded
+
+
+def test_continues_at_another_world_size_like_an_uninterrupted_run(across):
+    sizes, saved, loaded = across
+    reference, resumed = results_of(saved, "pairs"), results_of(loaded, "pairs")
+    for i, pair in enumerate(PAIRS[sizes]):
         ref, got = reference[0][i], resumed[0][i]
         assert all(torch.equal(r[i][0], got[0]) for r in resumed), f"{pair}: ranks differ"
         # Same global-batch math, another per-rank split: fp32 summation order only (see
@@ -96,6 +117,184 @@ def test_continues_at_another_world_size_like_an_uninterrupted_run(tmp_path, siz
         # step count is of order lr = 1e-2.
         torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=0, msg=lambda m: f"{pair}: {m}")
         assert got[1:] == ref[1:], f"{pair}: scaler scale / lr / scheduler epoch {got[1:]} != {ref[1:]}"
+
+
+# ------------------------------------------------------------- parameters of odd sizes, bf16 and offload
+
+ODD_SAVE_AT, ODD_LAST = 3, 5  # saved after 3 steps, 2 more after the load
+ODD_KINDS = ("ddp bf16 master", "zero2", "zero2 offload", "fully_shard bf16")
+# how each kind is saved and loaded: checkpoint.save/load, or a Checkpointer's save/restore; each
+# kind takes the other way in the other direction
+ODD_WAYS = {(2, 3): ("load", "restore", "load", "restore"), (3, 2): ("restore", "load", "restore", "load")}
+
+
+class _OddSizes(nn.Module):
+    """Parameters no world size of 2 or 3 divides: an 11x3 embedding, Linear(6, 7), Linear(7, 5)
+    (a bias of 5) and a head of one row (pieces of one rank only under fully_shard)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 3)
+        self.fc1 = nn.Linear(6, 7)
+        self.fc2 = nn.Linear(7, 5)
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, tokens):
+        z = self.fc2(torch.tanh(self.fc1(self.emb(tokens).flatten(1))))
+        return torch.cat([z, self.head(z)], 1)
+
+
+def _odd_batch(step):
+    gen = torch.Generator().manual_seed(500 + step)
+    return torch.randint(0, 11, (GLOBAL_ROWS, 2), generator=gen), torch.randn(GLOBAL_ROWS, 6, generator=gen)
+
+
+def _odd_loss(model, step, rank=0, world_size=1):
+    tokens, y = _odd_batch(step)
+    rows = slice(rank * GLOBAL_ROWS // world_size, (rank + 1) * GLOBAL_ROWS // world_size)
+    return (model(tokens[rows]).float() - y[rows]).pow(2).mean()
+
+
+def _odd_build(kind, seed):
+    """fusedist DDP + FusedAdamW with fp32 masters over bf16 parameters; DDP + ZeRO-2 (with and
+    without CPU offload); or fully_shard with bf16 compute (fp32 sharded parameters) + torch AdamW."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    net = _OddSizes()
+    if kind == "ddp bf16 master":
+        model = fusedist.DistributedDataParallel(net.to(torch.bfloat16))
+        return model, fusedist.optim.FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, master_weights=True)
+    if kind.startswith("zero2"):
+        model = fusedist.DistributedDataParallel(net)
+        return model, fusedist.ZeroRedundancyOptimizer(model.parameters(), fusedist.optim.FusedAdamW, stage=2, lr=1e-2,
+                                                       weight_decay=0.1, offload="cpu" if "offload" in kind else None)
+    policy = fusedist.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for unit in (net.emb, net.fc1, net.fc2, net.head):
+        fusedist.fully_shard(unit, mp_policy=policy)
+    return fusedist.fully_shard(net, mp_policy=policy), torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _odd_whole(model, opt) -> dict:
+    """The whole parameters (fp32) and optimizer state, by name (the state on rank 0 only)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    import fusedist
+
+    if isinstance(opt, fusedist.ZeroRedundancyOptimizer):
+        opt.wait_for_params()
+        opt.consolidate_state_dict(0)
+    if isinstance(model, fusedist.DistributedDataParallel):
+        names = [n for n, _ in model.module.named_parameters()]
+        params = {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
+        state = opt.state_dict()["state"] if dist.get_rank() == 0 else {}
+        state = {names[i]: s for i, s in state.items()}
+    else:
+        params = {k: v.float().clone() for k, v in fusedist.fsdp.full_state_dict(model).items()}
+        state = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))["state"]
+    out = {f"param {n}": v for n, v in params.items()}
+    if dist.get_rank() == 0:
+        out.update({f"{n}/{k}": torch.as_tensor(v).clone() for n, s in state.items() for k, v in s.items()})
+    return out
+
+
+def _odd_sizes(rank, world_size, root, sizes, phase):
+    """Each kind: ``before``: ODD_LAST steps, saved after ODD_SAVE_AT; ``after``: another
+    initialization, loaded, the steps after ODD_SAVE_AT. ``{kind: (everything at the save or
+    right after the load, everything at the end)}``."""
+    from fusedist import checkpoint
+
+    out = {}
+    for kind, way in zip(ODD_KINDS, ODD_WAYS[sizes]):
+        directory = os.path.join(root, f"odd {kind}")
+        model, opt = _odd_build(kind, 0 if phase == "before" else 99)
+        periodic = checkpoint.Checkpointer(directory, keep=1, async_save=False) if way == "restore" else None
+        first = 0
+        if periodic is not None:
+            first = periodic.restore(model, opt)
+        elif phase == "after":
+            first = checkpoint.load(directory, model, opt)["step"]
+        assert first == (ODD_SAVE_AT if phase == "after" else 0), (kind, way, first)
+        at_save = _odd_whole(model, opt) if phase == "after" else None
+        for step in range(first, ODD_LAST):
+            opt.zero_grad()
+            _odd_loss(model, step, rank, world_size).backward()
+            opt.step()
+            if phase == "before" and step + 1 == ODD_SAVE_AT:
+                at_save = _odd_whole(model, opt)
+                if periodic is not None:
+                    periodic.save(ODD_SAVE_AT)
+                else:
+                    checkpoint.save(directory, model, opt, extra={"step": ODD_SAVE_AT})
+        if periodic is not None:
+            periodic.close()
+        out[kind] = (at_save, _odd_whole(model, opt))
+    return out
+
+
+def _unsharded_adamw(kind: str) -> dict:
+    """The reference of ``kind``: the whole model on the global batch, torch AdamW over fp32
+    parameters; with bf16 compute, the forward and backward of a bf16 copy of them (what fp32
+    masters and bf16 compute do), from the bf16 parameters' values where the model was bf16."""
+    bf16 = "bf16" in kind
+    torch.manual_seed(0)
+    master = _OddSizes()
+    if kind == "ddp bf16 master":
+        master = master.to(torch.bfloat16).float()
+    compute = _OddSizes().to(torch.bfloat16) if bf16 else master
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(ODD_LAST):
+        with torch.no_grad():
+            for c, m in zip(compute.parameters(), master.parameters()):
+                c.copy_(m)
+                c.grad = None
+        _odd_loss(compute, step).backward()
+        for c, m in zip(compute.parameters(), master.parameters()):
+            m.grad = c.grad.float()
+        opt.step()
+    return {f"param {n}": p.detach().clone() for n, p in master.named_parameters()}
+
+
+# Tolerances of the continuation (the state right after the load is compared bit for bit). fp32
+# kinds: summation order only (a lost moment or step count is of order lr = 1e-2). bf16 compute:
+# each split rounds the bf16 gradients (and DDP's bf16 average) otherwise, a few 1e-4 on the fp32
+# weights after 5 AdamW steps; ``ddp bf16 master``'s bf16 parameters are those weights rounded to
+# bf16 (one ulp, up to 2**-9 for these weights), compared through its fp32 masters.
+ODD_TOLERANCE = {"ddp bf16 master": 1e-3, "zero2": 1e-5, "zero2 offload": 1e-5, "fully_shard bf16": 1e-3}
+
+
+def _fp32_weights(everything: dict) -> dict:
+    """The fp32 weights by ``param <name>``: the optimizer's masters where it keeps them (rank 0)."""
+    masters = {f"param {k[:-len('/master_param')]}": v for k, v in everything.items() if k.endswith("/master_param")}
+    return masters or {k: v for k, v in everything.items() if k.startswith("param ")}
+
+
+def test_odd_sized_parameters_continue_at_another_world_size(across):
+    """Parameters of lengths 2 and 3 do not divide, saved at one world size and loaded at the
+    other by ``checkpoint.load`` and by ``Checkpointer.restore``: FusedAdamW's fp32 masters over
+    bf16 parameters under fusedist DDP, ZeRO-2 with and without CPU offload, fully_shard with
+    bf16 compute. Right after the load every parameter and the whole optimizer state equal the
+    saved ones bit for bit; 2 more steps continue as the run that was not interrupted and as
+    the whole model with torch AdamW on the global batch."""
+    sizes, saved, loaded = across
+    before, after = results_of(saved, "odd sizes"), results_of(loaded, "odd sizes")
+    for kind, way in zip(ODD_KINDS, ODD_WAYS[sizes]):
+        where = f"{kind} ({way}, {sizes[0]} -> {sizes[1]} ranks)"
+        at_save, at_load = before[0][kind][0], after[0][kind][0]
+        assert sorted(at_load) == sorted(at_save), where
+        differ = [k for k in at_save if at_save[k].dtype != at_load[k].dtype or not torch.equal(at_save[k], at_load[k])]
+        assert not differ, f"{where}: differ right after the load: {differ}"
+        final = _fp32_weights(after[0][kind][1])
+        for rank, out in enumerate(after):
+            params = {k: v for k, v in out[kind][1].items() if k.startswith("param ")}
+            assert all(torch.equal(v, after[0][kind][1][k]) for k, v in params.items()), f"{where}: rank {rank} differs"
+        uninterrupted, reference = _fp32_weights(before[0][kind][1]), _unsharded_adamw(kind)
+        assert final.keys() == uninterrupted.keys() == reference.keys(), where
+        for name in reference:
+            for against, expected in (("the run not interrupted", uninterrupted), ("torch AdamW", reference)):
+                torch.testing.assert_close(final[name], expected[name], atol=ODD_TOLERANCE[kind], rtol=0,
+                                           msg=lambda m: f"{where}, {name} against {against}: {m}")
 
 
 # ----------------------------------------------------------------------------- failed saves

@@ -430,3 +430,27 @@ def test_a_saved_group_over_two_groups_of_other_settings_is_refused_for_torchs_c
     state["param_groups"] = [dict(state["param_groups"][1], params=["a", "b", "c"], weight_decay=0.01)]
     set_optimizer_state_dict(module, opt, state)
     assert "weight_decay" not in opt.param_groups[0]  # torch's answer
+
+
+def test_parameters_no_stage_holds_optimizer_state_for_are_named_capped_as_every_refusal():
+    """A part whose optimizer steps parameters no saved stage holds state for is refused naming
+    them, capped as the other refusals are (``_load_plan._capped``: the first ones and how many
+    more), not the first five and a bare ``...`` that hid how many were missing."""
+    from fusedist.checkpoint import CheckpointError, _load_plan, pipeline
+
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(13)))  # 26 parameters, state saved for the first
+    opt = torch.optim.AdamW(model.parameters())
+
+    class _OneSavedParameter:
+        def optimizer(self, stage):
+            return {"state": {}, "param_groups": [dict(opt.param_groups[0], params=[0])]}
+
+    meta = {"class": "AdamW", "param_names": ["0.weight"], "param_shapes": [[2, 2]]}
+    stage = {"optimizer": meta, "ranks": None, "part": None}
+    with pytest.raises(CheckpointError) as raised:
+        pipeline._prepare_optimizer("DIR", [(0, stage)], _OneSavedParameter(), model, opt, [], "part 0 of rank 0")
+    missing = [f"'{n}'" for n, _ in model.named_parameters()][1:]
+    shown = "; ".join(missing[:_load_plan.SHOWN_SHAPE_MISMATCHES])
+    more = len(missing) - _load_plan.SHOWN_SHAPE_MISMATCHES
+    assert (f"no stage of DIR holds optimizer state for the parameters {shown}; and {more} more: "
+            "the optimizers saved did not hold them; load the model alone (optimizer=None)") in str(raised.value)

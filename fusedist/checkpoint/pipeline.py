@@ -481,8 +481,10 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
         origins += [f"group {gi} of {holder}" for gi in range(len(full["param_groups"]))]
     missing = [n for n in names if n not in shapes]
     if missing:
+        listed = _load_plan._capped([f"'{n}'" for n in missing], len(missing))
         raise CheckpointError(f"fusedist.checkpoint: no stage of {directory} holds optimizer state for the "
-                              f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+                              f"parameters {listed}: the optimizers saved did not hold them; load the model alone "
+                              "(optimizer=None) to start a new optimizer from it")
     own = [list(stage3.full_shape(p, sharding[1])) for p in params]
     for p, name, shape in zip(params, names, own):
         if shapes[name] != shape and _load_plan._packed_positions([shapes[name]], [p], sharding[1]):

@@ -434,7 +434,7 @@ def test_a_saved_group_over_two_groups_of_other_settings_is_refused_for_torchs_c
 
 def test_parameters_no_stage_holds_optimizer_state_for_are_named_capped_as_every_refusal():
     """A part whose optimizer steps parameters no saved stage holds state for is refused naming
-    them, capped as the other refusals are (``_load_plan._capped``: the first ones and how many
+    them, capped as the other refusals are (``_load_plan.capped``: the first ones and how many
     more), not the first five and a bare ``...`` that hid how many were missing."""
     from fusedist.checkpoint import CheckpointError, _load_plan, pipeline
 

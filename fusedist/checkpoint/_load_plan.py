@@ -64,11 +64,11 @@ def _reshaped_message(reshaped: list, saved: dict, expected: dict, directory: st
     shown = [f"'{k}' has shape {_shown(_shape(saved[k]))} in the checkpoint, the model's is {_shown(expected[k])}"
              for k in reshaped[:SHOWN_SHAPE_MISMATCHES]]
     counted = "1 key has" if len(reshaped) == 1 else f"{len(reshaped)} keys have"
-    listed = _capped(shown, len(reshaped))
+    listed = capped(shown, len(reshaped))
     return f"fusedist.checkpoint: {counted} another shape in {directory} than in the model: {listed}"
 
 
-def _capped(shown: list, total: int) -> str:
+def capped(shown: list, total: int) -> str:
     """The first mismatches found (at most ``SHOWN_SHAPE_MISMATCHES`` of ``shown``) and how many
     more of ``total``: every one named spares a load per mismatch, the cap keeps the text readable."""
     shown = shown[:SHOWN_SHAPE_MISMATCHES]
@@ -338,7 +338,7 @@ def _optimizer_mismatch(saved_names: list, names: list, saved_shapes: list, shap
         found.append(f"{len(saved_names)} parameters saved, {len(names)} here")
     renamed = [i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b]
     if renamed:
-        found.append(_capped([f"parameter {i} is '{saved_names[i]}' in the checkpoint, '{names[i]}' here"
+        found.append(capped([f"parameter {i} is '{saved_names[i]}' in the checkpoint, '{names[i]}' here"
                               for i in renamed[:SHOWN_SHAPE_MISMATCHES]], len(renamed)))
         return "; ".join(found)
     reshaped = optimizer_shape_mismatch(names, saved_shapes, shapes)
@@ -346,21 +346,26 @@ def _optimizer_mismatch(saved_names: list, names: list, saved_shapes: list, shap
         found.append(reshaped)
     detail = "; ".join(found)
     if len(saved_names) > len(names):
-        detail += (f"; the checkpoint's optimizer also holds {saved_names[len(names):][:3]}: param groups it "
-                   "gained during training (add_param_group) must be added again before loading")
+        detail += (f"; the checkpoint's optimizer also holds {_first_three(saved_names[len(names):])}: param groups "
+                   "it gained during training (add_param_group) must be added again before loading")
     if len(saved_names) < len(names):
-        detail += f"; the optimizer here also holds {names[len(saved_names):][:3]}: {_names.ADDED_AFTER_LOAD}"
+        detail += f"; the optimizer here also holds {_first_three(names[len(saved_names):])}: {_names.ADDED_AFTER_LOAD}"
     return detail
+
+
+def _first_three(names: list) -> str:
+    """``['a', 'b', 'c']``, and how many more where there are."""
+    return f"{names[:3]}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def optimizer_shape_mismatch(names: list, saved_shapes: list, shapes: list) -> str:
     """Every optimizer parameter whose saved shape is not its shape here, by position and name
-    (capped: :func:`_capped`); empty when all agree. The ordinary and the pipelined load
+    (capped: :func:`capped`); empty when all agree. The ordinary and the pipelined load
     (which takes its state by name) name them alike."""
     reshaped = [i for i, (a, b) in enumerate(zip(saved_shapes, shapes)) if list(a) != list(b)]
     if not reshaped:
         return ""
-    return _capped([f"parameter {i} '{names[i]}' has shape {tuple(saved_shapes[i])} in the checkpoint, "
+    return capped([f"parameter {i} '{names[i]}' has shape {tuple(saved_shapes[i])} in the checkpoint, "
                     f"{tuple(shapes[i])} here" for i in reshaped[:SHOWN_SHAPE_MISMATCHES]], len(reshaped))
 
 

@@ -481,7 +481,7 @@ def _prepare_optimizer(directory: str, chosen: list, reader: _Reader, model, opt
         origins += [f"group {gi} of {holder}" for gi in range(len(full["param_groups"]))]
     missing = [n for n in names if n not in shapes]
     if missing:
-        listed = _load_plan._capped([f"'{n}'" for n in missing], len(missing))
+        listed = _load_plan.capped([f"'{n}'" for n in missing], len(missing))
         raise CheckpointError(f"fusedist.checkpoint: no stage of {directory} holds optimizer state for the "
                               f"parameters {listed}: the optimizers saved did not hold them; load the model alone "
                               "(optimizer=None) to start a new optimizer from it")

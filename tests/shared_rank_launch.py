@@ -5,26 +5,50 @@ and each test reads its own scenario's per-rank results.
 
 A scenario is ``(module-level function, args)``, called as ``fn(rank, world, *args)``. One that
 raises keeps its traceback as its result and the next one runs: a failure fails its own test
-only (ranks that stopped at different collectives meet again within the process group's
-timeout).
+only, and the next scenarios run on a working group (Note [a scenario that fails on some
+ranks] in scenario_agreement.py).
 """
 
 from __future__ import annotations
 
 import os
+import time
 import traceback
 
 from fusedist.testing import run_distributed
+from scenario_agreement import AFTER_ABORT, ScenarioAgreement
 
 
-def _run_in_turn(rank: int, world: int, scenarios: list) -> dict:
+#: a file each rank appends ``rank<TAB>seconds<TAB>scenario`` lines to, one per scenario it ran
+#: (where a launch's time goes; unset: nothing is written)
+TIMES_ENV = "FUSEDIST_TEST_SCENARIO_TIMES"
+
+
+def _run_in_turn(rank: int, world: int, scenarios: list, wait_s: float = 3600.0) -> dict:
+    """Each scenario in turn; the results by scenario name. ``wait_s``: the longest a rank
+    waits for the others to finish a scenario (the launch's timeout ends them before)."""
+    agreement = ScenarioAgreement.start(rank, world, wait_s)
     results = {}
-    for name, fn, args in scenarios:
+    for index, (name, fn, args) in enumerate(scenarios):
+        start = time.perf_counter()
         try:
             results[name] = (True, fn(rank, world, *args))
         except Exception:  # noqa: BLE001 - the scenario's test reports it
-            results[name] = (False, f"rank {rank}:\n{traceback.format_exc()}")
+            trace = traceback.format_exc()
+            results[name] = (False, agreement.failure_text(index, trace) if agreement else f"rank {rank}:\n{trace}")
+        if agreement:
+            agreement.settle(index, results[name][0])
+        _note_time(rank, name, time.perf_counter() - start)
+    if agreement:
+        agreement.close()
     return results
+
+
+def _note_time(rank: int, name, seconds: float) -> None:
+    path = os.environ.get(TIMES_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{rank}\t{seconds:.2f}\t{name}\n")
 
 
 def launch_for_selected(request, by_test: dict, world: int, timeout: float, **launch) -> dict:
@@ -36,7 +60,7 @@ def launch_for_selected(request, by_test: dict, world: int, timeout: float, **la
               if item.module is request.module}
     todo = [(name, fn, args) for test, scenarios in by_test.items() if test in wanted
             for name, (fn, args) in scenarios.items()]
-    per_rank = run_distributed(_run_in_turn, world, todo, timeout=timeout, **launch)
+    per_rank = run_distributed(_run_in_turn, world, todo, timeout, timeout=timeout, **launch)
     return {name: [results[name] for results in per_rank] for name, _, _ in todo}
 
 
@@ -77,8 +101,10 @@ def _set_env(env: dict) -> None:
 
 
 def results_of(launched: dict, scenario: str) -> list:
-    """The per-rank results of ``scenario``; fails the calling test with a rank's traceback."""
+    """The per-rank results of ``scenario``; fails the calling test with the failed ranks'
+    tracebacks, the ranks that failed of their own first."""
     assert scenario in launched, f"{scenario} was not run (its test was not selected when the ranks started)"
-    for passed, value in launched[scenario]:
-        assert passed, f"{scenario} raised on {value}"
+    failures = [value for passed, value in launched[scenario] if not passed]
+    failures.sort(key=lambda text: AFTER_ABORT in text.split("\n", 1)[0])
+    assert not failures, f"{scenario} raised on " + "\n".join(failures)
     return [value for _, value in launched[scenario]]

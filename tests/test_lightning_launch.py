@@ -66,7 +66,8 @@ def _launch(session, tmp_path_factory) -> dict:
                  if tests.intersection((test,) if isinstance(test, str) else test)
                  for name, (fn, args) in scenarios.items()]
         seconds += budget
-    per_rank = run_distributed(_run_in_turn, WORLD, todo, timeout=min(seconds, MOST_S))
+    timeout = min(seconds, MOST_S)
+    per_rank = run_distributed(_run_in_turn, WORLD, todo, timeout, timeout=timeout)
     out: dict = {module: {} for module in selected}
     for key, _, _ in todo:
         out[key[0]][key[1]] = [results[key] for results in per_rank]

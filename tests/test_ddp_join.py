@@ -226,6 +226,23 @@ def _counters_after_join_case(rank, world):
     return "no error"
 
 
+def _divisor_mismatch_case(rank, world):
+    """Note [the join's divisor agreed across ranks] in fusedist/ddp/join_agreement.py: the last rank passes
+    divide_by_initial_world_size=False, the others True. torch's DDP trains on, each rank dividing its own
+    contribution by its own divisor once a rank joined (a mix neither value gives); here every rank raises at the
+    first forward, naming the ranks of each value."""
+    import fusedist
+
+    model = fusedist.DistributedDataParallel(_mlp_bn())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        _train(model, opt, [_batch(rank, i) for i in range(1 + rank)],
+               model.join(divide_by_initial_world_size=rank != world - 1))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def _worker(rank, world):
     out = {}
     for opt_name, divide in [("sgd", True), ("sgd", False), ("adamw", True), ("adamw", False)]:
@@ -239,6 +256,7 @@ def _worker(rank, world):
     out["syncbn"] = _syncbn_case(rank, world, [2 + r for r in range(world)])
     out["syncbn rank without batches"] = _syncbn_case(rank, world, [0] + [2 + r for r in range(1, world)])
     out["counters after join"] = _counters_after_join_case(rank, world)
+    out["divisor mismatch"] = _divisor_mismatch_case(rank, world)
     out["throw"] = _throw_case(rank, world)
     out["divergence"] = _divergence_case(rank, world)
     return out
@@ -249,10 +267,13 @@ def test_join_matches_torch_ddp(world):
     results = run_distributed(_worker, world, timeout=240)
     for rank, out in enumerate(results):
         for key, value in out.items():
-            if key in ("throw", "divergence", "counters after join"):
+            if key in ("throw", "divergence", "counters after join", "divisor mismatch"):
                 continue
             assert value < TOL, f"rank {rank}: {key}: max difference {value}"
         assert out["counters after join"] == "no error", (rank, out["counters after join"])
+        mismatch = out["divisor mismatch"]
+        assert mismatch is not None and (f"True on ranks {list(range(world - 1))}, False on ranks [{world - 1}] "
+                                         f"(this rank: {rank != world - 1})") in mismatch, (rank, mismatch)
         assert out["throw"] is not None, f"rank {rank} did not raise with throw_on_early_termination"
         expected = "Rank 0 exhausted all inputs" if rank == 0 else "Detected at least one rank that exhausted inputs"
         assert expected in out["throw"]

@@ -3,6 +3,7 @@ the divergence probe] in fusedist/reliability/divergence.py): ranks in alike col
 labels end about a second past the probe's delay, not at the collective timeout; collectives whose messages
 are not matched by label publish none."""
 
+import contextlib
 import time
 
 import pytest
@@ -108,10 +109,12 @@ def _labels_across_ranks(rank, world_size):
         c.barrier()
         out["barrier waits"].append((time.monotonic() - start, late))
     # A barrier on rank 0 against a one-element sum all-reduce on rank 1: they paired, the all-reducing rank going
-    # on with its own value. Through the exchange and through gloo's own.
+    # on with its own value. Through the exchange and through gloo's own. One rank's probe gives the verdict, the
+    # other's never would (Note [the verdict before the closed connections]): it learns from the closed connection.
     for builtin in (False, True):
         out[f"barrier against all_reduce, builtin {builtin}"] = _diverged_on_new_group(
-            lambda c: c.barrier() if rank == 0 else c.all_reduce(torch.ones(1), tag="one value"), builtin=builtin)
+            lambda c: c.barrier() if rank == 0 else c.all_reduce(torch.ones(1), tag="one value"), builtin=builtin,
+            verdict_on=int(builtin))
     # An all-reduce on rank 0 against a reduce-scatter of as many elements and the same op on rank 1. gloo's own
     # reduce-scatter is an all-reduce of its input: the two paired and both ranks went on out of step.
     for how in ("exchange", "builtin", "builtin async"):
@@ -164,9 +167,10 @@ def _labels_across_ranks(rank, world_size):
     return out
 
 
-def _diverged_on_new_group(collective, builtin: bool = False):
+def _diverged_on_new_group(collective, builtin: bool = False, verdict_on=None):
     """Run ``collective(comm)`` on a new group's monitored communicator, and wait for the handle it returns:
-    (the error, seconds it took, whether the collective had ended a second later)."""
+    (the error, seconds it took, whether the collective had ended a second later). With ``verdict_on``, only that
+    rank's probe finds the divergence, and it closes the connections a while before it publishes its failure."""
     import torch.distributed as dist
 
     from fusedist.comm import CollectiveError, TorchCommunicator, get_communicator
@@ -177,9 +181,10 @@ def _diverged_on_new_group(collective, builtin: bool = False):
     attach_monitor(comm)
     start, handle = time.monotonic(), None
     try:
-        handle = collective(comm)
-        if handle is not None:  # (a barrier returns none)
-            handle.wait()
+        with _verdict_on(verdict_on):
+            handle = collective(comm)
+            if handle is not None:  # (a barrier returns none)
+                handle.wait()
         message = "no error"
     except CollectiveError as exc:
         message = str(exc)
@@ -188,6 +193,29 @@ def _diverged_on_new_group(collective, builtin: bool = False):
     while work is not None and not work.is_completed() and time.monotonic() < start + elapsed + 1:
         time.sleep(0.05)
     return message, elapsed, work is None or work.is_completed()
+
+
+@contextlib.contextmanager
+def _verdict_on(rank):
+    """Only ``rank``'s probe finds a divergence; it waits a while after closing the connections (before the report
+    it publishes), so the other rank meets the closed connection before any later entry of its."""
+    if rank is None:
+        yield
+        return
+    import torch.distributed as dist
+
+    from fusedist.comm import torch_comm
+    from fusedist.reliability import divergence
+
+    close, diverged_at = torch_comm._close_connections, divergence.diverged
+    if dist.get_rank() == rank:
+        torch_comm._close_connections = lambda *args: (close(*args), time.sleep(0.3))
+    else:
+        divergence.diverged = lambda entries: None
+    try:
+        yield
+    finally:
+        torch_comm._close_connections, divergence.diverged = close, diverged_at
 
 
 @pytest.fixture(scope="module")
@@ -251,11 +279,18 @@ def test_a_barrier_waits_for_every_rank(results):
 @pytest.mark.parametrize("builtin", [False, True])
 def test_a_barrier_never_pairs_with_a_one_element_all_reduce(results, builtin):
     """The barrier was a one-element sum all-reduce: against a rank's own such all-reduce it completed, that rank
-    going on with its own value. Now it pairs with nothing else, and the probe names both."""
+    going on with its own value. Now it pairs with nothing else, and the probe names both -- in the first line on
+    every rank: the rank whose probe gave the verdict closed the connections, and the other one's error began with
+    gloo's "Connection closed by peer ... remote worker crashing" (Note [the verdict before the closed
+    connections] in fusedist/reliability/divergence.py)."""
+    first = int(builtin)  # (the rank whose probe alone finds the divergence)
     for rank, (status, out) in enumerate(results):
         assert status == "ok", out
         message, elapsed, ended = out[f"barrier against all_reduce, builtin {builtin}"]
-        assert "ranks [0] in barrier" in message and "ranks [1] in all_reduce" in message, (rank, message)
+        line = message.splitlines()[0]
+        assert f"cannot complete on rank {rank} of 2: every rank of the group has been blocked" in line, (rank, line)
+        assert "ranks [0] in barrier" in line and "ranks [1] in all_reduce" in line, (rank, line)
+        assert (f"rank {first} gave this verdict first" in line) == (rank != first), (rank, line)
         assert "Stall report" in message and elapsed < 6 and ended, (rank, elapsed, message)
 
 
@@ -490,3 +525,41 @@ def test_a_peer_that_failed_elsewhere_is_named_at_the_first_read_past_the_delay(
     assert later.check() is None
     later.close()
 
+
+
+def test_a_verdict_reaches_the_store_before_the_wait_is_ended_and_goes_where_the_wait_completed_after_all(monkeypatch):
+    """Note [the verdict before the closed connections]: the probe's failure entry, with its verdict, is in the
+    store when the watcher ends the wait (closing the connections), so a peer that meets the closed connection
+    reads it; where the wait had completed after all, the rank goes on and its waiting entry is back (then
+    withdrawn as usual), not a failure a peer would take for a verdict."""
+    import json
+    import types
+    import weakref
+
+    from fusedist.comm.watched_wait import WatchedWait
+    from fusedist.reliability import failed_elsewhere
+    from fusedist.reliability import monitor as monitor_module
+    from fusedist.reliability.divergence import WaitProbe, peer_verdict
+
+    store = _KeyValueStore()
+    failed = _GroupRank(store, 1)
+    monkeypatch.setattr(monitor_module, "_monitors", weakref.WeakSet([failed]))
+    failed_elsewhere.publish("stage 1 failed at its loss")
+    waiting = _GroupRank(store, 0)
+    waiting.divergence_probe = lambda op, tag, seq, part: WaitProbe(waiting, op, tag, seq, 0.3, part)
+    mine, seen = "fusedist/stall/world/0/0", []
+
+    def end_watched_wait(work, verdict):
+        seen.append((json.loads(store.get(mine))["kind"], peer_verdict(_GroupRank(store, 2)), verdict))
+        return False  # (it completed meanwhile)
+
+    comm = types.SimpleNamespace(observer=waiting, _end_watched_wait=end_watched_wait)
+    work = types.SimpleNamespace(is_completed=lambda: False)
+    watched = WatchedWait(types.SimpleNamespace(_comm=comm, _work=work, op="all_reduce", tag="t", seq=7, part=None),
+                          delay_s=3600.0)  # (stepped here, not by the watcher thread)
+    assert watched._step() is None and watched.verdict is None
+    [(kind, (peer, told), verdict)] = seen
+    assert kind == "failure" and peer == 0 and told == verdict and verdict.startswith("rank 1 failed elsewhere"), seen
+    assert json.loads(store.get(mine))["kind"] == "waiting"
+    watched.close()
+    assert not store.check([mine]) and peer_verdict(_GroupRank(store, 2)) is None

@@ -12,12 +12,42 @@ from __future__ import annotations
 import datetime
 import time
 
+from .closed_connections import closed_by_peer
+
 
 def wait_probed(handle, waited: datetime.timedelta) -> None:
     """Wait for ``handle``'s work up to ``waited``; past the observer's ``probe_delay_s``, in
     slices between which its probe compares where every rank waits and may end the wait: the
     communicator then refuses further collectives (``gave_up``) and this raises
-    ``CollectiveError`` with the verdict."""
+    ``CollectiveError`` with the verdict -- also where a peer's probe gave it first and closed
+    the connections (Note [the verdict before the closed connections] in
+    fusedist/reliability/divergence.py)."""
+    try:
+        _wait_probed(handle, waited)
+    except Exception as exc:  # noqa: BLE001 - the backend's error, unless a peer's verdict explains it
+        told = _told_by_peer(handle, exc)
+        if told is None:
+            raise
+        peer, verdict, text = told
+        raise _given_up(handle, text, verdict, peer) from exc
+
+
+def _told_by_peer(handle, exc: BaseException):
+    """(the peer, the verdict its probe gave, what this rank says of it) where ``exc`` is a connection closed by a
+    peer of a group whose probe gave a verdict; else None. Reads the store on such a failure only."""
+    if getattr(exc, "verdict", None) is not None or not closed_by_peer(exc):
+        return None
+    comm = handle._comm
+    read = getattr(comm.observer, "peer_verdict", None)
+    told = read() if read is not None else None
+    if told is None:
+        return None
+    peer, verdict = told
+    return peer, verdict, (f"{verdict} (rank {peer}{comm._global_note([peer])} gave this verdict first and closed "
+                           "the group's connections, which ended this rank's wait)")
+
+
+def _wait_probed(handle, waited: datetime.timedelta) -> None:
     comm, work = handle._comm, handle._work
     delay = getattr(comm.observer, "probe_delay_s", 0.0)
     if not delay or waited.total_seconds() <= delay:
@@ -70,8 +100,9 @@ def _wait_watched(handle, waited: datetime.timedelta, delay: float) -> None:
         raise _given_up(handle, watched.verdict)
 
 
-def _given_up(handle, verdict: str):
-    """Give the communicator up on the probe's ``verdict``: the error to raise."""
+def _given_up(handle, verdict: str, told=None, told_by=None):
+    """Give the communicator up on the probe's ``verdict``: the error to raise. ``told``: the verdict as rank
+    ``told_by`` gave it, where this rank only learnt it (``verdict`` says so)."""
     from . import given_up_exit
     from .base import CollectiveError
     from .checks import describe_collective
@@ -80,7 +111,10 @@ def _given_up(handle, verdict: str):
     comm.gave_up = f"{describe_collective(handle.op, handle.tag, handle.seq)}: {verdict}"
     # (a program that catches the error and ends by sys.exit(n) ends at once, with n)
     given_up_exit.watch_exit_requests()
-    return CollectiveError(
+    error = CollectiveError(
         f"fusedist: {handle.op} (tag {handle.tag!r}, collective #{handle.seq}) cannot complete on rank "
         f"{comm.rank} of {comm.world_size}{comm._global_note([comm.rank])}: {verdict}",
         op=handle.op, tag=handle.tag, rank=comm.rank, seq=handle.seq)
+    # (the failure entry keeps them for the peers: Note [the verdict before the closed connections])
+    error.verdict, error.verdict_of = (verdict, comm.rank) if told is None else (told, told_by)
+    return error

@@ -139,6 +139,9 @@ class WatchedWait:
             self.verdict = verdict  # (before the caller's wait fails: its handler reads it)
             if not comm._end_watched_wait(handle._work, verdict):
                 self.verdict = None  # (it completed meanwhile: the ranks did pair)
+                retract = getattr(self._probe, "retract", None)
+                if retract is not None:
+                    retract()
         return None
 
     def close(self) -> None:

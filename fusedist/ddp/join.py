@@ -181,9 +181,12 @@ def exchange_state(ddp, active: bool, sync: bool, wants_buffers: bool) -> tuple[
     if active:
         state[0], state[1], state[2], state[4 + ddp.rank] = 1, int(sync), int(wants_buffers), 1
         state[3], state[4 + world + ddp.rank] = int(tracker.target is not None), int(sync)
-    state = state.to(comm.device)
+    from .join_agreement import check_divisors, with_divisor_row  # Note [the join's divisor agreed across ranks]
+
+    state = with_divisor_row(state, ddp).to(comm.device)
     comm.all_reduce(state, tag="ddp join state")
     values = state.tolist()
+    check_divisors(ddp, values[4 + 2 * world:])
     ranks = [r for r in range(world) if values[4 + r]]
     if 0 < values[1] < values[0]:
         _mixed_no_sync(ddp, ranks, [r for r in range(world) if values[4 + world + r]])

@@ -72,6 +72,20 @@ withdrawn only once the failure has been told, so it cannot be a passing one): "
 the peer had not launched when it failed (its entry names the first such); one it had launched may still
 complete, and is probed as before.
 
+Note [the verdict before the closed connections]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The rank whose probe gives the verdict first ends its wait and closes the group's gloo connections
+(Note [closing the connections of an abandoned collective] in fusedist/comm/torch_comm.py). A peer whose
+probe had not confirmed the same evidence yet then failed with gloo's "Connection closed by peer ...
+typically caused by a remote worker crashing" as its first line -- a crash that never was -- and the
+verdict only in the stall report below it: the closing rank had withdrawn its probe's entry and published
+its failure entry only after closing. Now the probe publishes its failure entry, with the verdict
+(``verdict``), as it gives it -- before anything ends the wait or closes a connection -- and the report's
+entry keeps it. A wait that fails on a connection a peer closed reads the peers' entries once
+(:func:`peer_verdict`: the failure path only) and, where one carries a verdict, raises that verdict,
+naming the peer that gave it first; else the backend's error as before. Where a watched wait completed
+just as its verdict was given, the probe's own entry is put back (``WaitProbe.retract``).
+
 The wait is sliced in fusedist/comm/sliced_wait.py. Costs: none for a wait that ends before the
 delay (one comparison; a DDP step measured the same with the probe on and off); past it, a store
 write and a read per peer every ``PROBE_EVERY_S``, and the entry is withdrawn when the wait ends.
@@ -162,10 +176,10 @@ class WaitProbe:
                                          [r for r in range(comm.world_size) if r != comm.rank])
         told = _failed_elsewhere(read, comm, self.waiting_on["seq"])
         if told is not None:  # Note [a peer that failed elsewhere, in the divergence probe]
-            self._gave_verdict = True
-            return (f"{told}. It waits in no collective of this group, so this one can never complete; found by the "
-                    "divergence probe (FUSEDIST_DIVERGENCE_PROBE_S) instead of waiting out the collective timeout "
-                    f"({comm.timeout.total_seconds():g} s, FUSEDIST_TIMEOUT_S)")
+            return self._verdict(
+                f"{told}. It waits in no collective of this group, so this one can never complete; found by the "
+                "divergence probe (FUSEDIST_DIVERGENCE_PROBE_S) instead of waiting out the collective timeout "
+                f"({comm.timeout.total_seconds():g} s, FUSEDIST_TIMEOUT_S)")
         others = _stuck(read)
         found = None if others is None else diverged({comm.rank: self._mine, **others})
         if found is not None:
@@ -183,21 +197,40 @@ class WaitProbe:
             return None
         if now - self._evidence[1] < max(PROBE_EVERY_S, self.delay_s / 4):
             return None  # (the same evidence must hold a while: a peer's entry may be about to go)
-        self._gave_verdict = True
         where = (f"every rank of the group has been blocked in a collective for over {self.delay_s:g} s, in "
                  f"collectives that can never pair: {found}" if others is not None else
                  f"ranks of several groups have been blocked in collectives for over {self.delay_s:g} s, "
                  f"waiting for each other: {found}")
-        return (f"{where}. Their programs diverged (a backward, step or "
-                "collective skipped or added on some ranks); found by the divergence probe "
-                "(FUSEDIST_DIVERGENCE_PROBE_S) instead of waiting out the collective timeout "
-                f"({comm.timeout.total_seconds():g} s, FUSEDIST_TIMEOUT_S)")
+        return self._verdict(
+            f"{where}. Their programs diverged (a backward, step or "
+            "collective skipped or added on some ranks); found by the divergence probe "
+            "(FUSEDIST_DIVERGENCE_PROBE_S) instead of waiting out the collective timeout "
+            f"({comm.timeout.total_seconds():g} s, FUSEDIST_TIMEOUT_S)")
+
+    def _verdict(self, verdict: str) -> str:
+        """Publish ``verdict`` as this rank's failure entry, before the caller ends the wait (Note [the verdict
+        before the closed connections]), and return it."""
+        monitor = self.monitor
+        entry = dict(self._mine, kind="failure", error=verdict[:400], verdict=verdict, verdict_of=monitor.comm.rank)
+        stall_report.publish(monitor.store, monitor.group_name, monitor.generation, monitor.comm.rank, entry,
+                             bounded=False)
+        self._gave_verdict = True
+        return verdict
+
+    def retract(self) -> None:
+        """The wait completed after all, as the verdict was given (a watched wait: Note [probing waits that cannot
+        be sliced] in fusedist/comm/watched_wait.py): put back the entry the verdict replaced."""
+        monitor = self.monitor
+        if self._gave_verdict and not monitor.reports:
+            stall_report.publish(monitor.store, monitor.group_name, monitor.generation, monitor.comm.rank, self._mine,
+                                 bounded=False)
+        self._gave_verdict = False
 
     def close(self) -> None:
-        """Withdraw the ``waiting`` entry (a ``checking`` one is the check's to withdraw; a failure
-        entry published since replaced it and stays)."""
+        """Withdraw the ``waiting`` entry (a ``checking`` one is the check's to withdraw; the failure entry of a
+        verdict, or one published since, replaced it and stays)."""
         monitor = self.monitor
-        if self._published == "waiting" and len(monitor.reports) == self._reports_before:
+        if self._published == "waiting" and len(monitor.reports) == self._reports_before and not self._gave_verdict:
             stall_report.withdraw(monitor.store, monitor.group_name, monitor.generation, monitor.comm.rank,
                                   bounded=False)
         if self._blocked is not None:  # (after a cycle's verdict it stays for the peers, until the next launch)
@@ -205,6 +238,21 @@ class WaitProbe:
                 wait_cycle.keep(monitor.store, self._blocked, self._cycle)
             else:
                 wait_cycle.withdraw(monitor.store, self._blocked["rank"])
+
+
+def peer_verdict(monitor) -> Optional[tuple]:
+    """(rank, verdict) of a peer of ``monitor``'s group whose probe gave a verdict (its failure entry carries it,
+    and which rank gave it first: Note [the verdict before the closed connections]), else None. Read on a failure
+    only."""
+    comm = monitor.comm
+    if monitor.store is None:
+        return None
+    entries = stall_report.read_entries(monitor.store, monitor.group_name, monitor.generation,
+                                        [r for r in range(comm.world_size) if r != comm.rank])
+    for rank, entry in sorted((entries or {}).items()):
+        if (entry or {}).get("kind") == "failure" and entry.get("verdict"):
+            return entry.get("verdict_of", rank), entry["verdict"]
+    return None
 
 
 def _stuck(entries: Optional[dict]) -> Optional[dict]:

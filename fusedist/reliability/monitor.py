@@ -23,7 +23,7 @@ from ..comm.exchange_progress import ExchangeWork
 from .._process_hooks import at_exit, chain_excepthook
 from . import stall_report, wait_cycle
 from .config import divergence_probe_s
-from .divergence import WaitProbe, waiting_on
+from .divergence import WaitProbe, peer_verdict, waiting_on
 
 #: Collectives remembered per communicator for the report.
 HISTORY = 16
@@ -134,6 +134,8 @@ class CollectiveMonitor:
         entry = self._entry(kind="failure", error=_short(RuntimeError(reason)).split(": ", 1)[-1])
         entry["waiting_on"] = dict(waiting_on(op, tag, seq, part, self.label_of(seq), self.variant_of(seq)),
                                    age_s=(time.monotonic() - started) if started is not None else None)
+        if getattr(error, "verdict", None):  # (kept for the peers: Note [the verdict before the closed connections])
+            entry["verdict"], entry["verdict_of"] = error.verdict, getattr(error, "verdict_of", comm.rank)
         return entry
 
     def label_of(self, seq: int) -> Optional[str]:
@@ -219,6 +221,11 @@ class CollectiveMonitor:
         """The probe of a wait that has blocked for ``probe_delay_s`` (Note [divergence probe] in
         divergence.py); ``part``: this rank's tensor of the collective, or None."""
         return WaitProbe(self, op, tag, seq, self.probe_delay_s, part, self.label_of(seq), self.variant_of(seq))
+
+    def peer_verdict(self) -> Optional[tuple]:
+        """(rank, verdict) of a peer whose divergence probe gave up on this group's collectives, else None (Note
+        [the verdict before the closed connections] in divergence.py)."""
+        return peer_verdict(self)
 
     def crashed_peer(self) -> Optional[str]:
         """Which peer published a crash (Note [a crashed peer, seen through the store] in

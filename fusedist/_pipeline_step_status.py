@@ -82,13 +82,25 @@ Note [a first-step failure told to the data-parallel peers]
     told by a notice) first publishes the message as a failure entry in its monitored groups, as above: every
     peer's blocked wait fails about the probe's delay later, its pipeline is told the message read (its own
     notices, or the exchange at the step's end), and every rank of every pipeline raises the first failure's
-    message. Nothing waits here for the peers to read the entries, so they are kept -- a peer that read one has
-    given the group up -- until a failure of the group's own collectives or the process's end writes its entry
-    in their place. After the first sends' notices every later step of the pipeline is refused (Note [a step
-    that raised] in _pipeline_step_failures.py); a failed shape inference counts as ended and the next step may
-    run, and then a wait of this rank's data-parallel peers blocked past the probe's delay (a rank saving a
-    checkpoint) is told of this failure. Not withdrawn at the next step: a peer still short of the delay would
-    then wait out the group's timeout again.
+    message. Nothing waits here for the peers to read the entries, so each is kept -- a peer that read one has
+    given the group up -- until this rank launches its next collective in that group (then it waits in one
+    again, and a peer still waiting for it pairs with it: Note [a failure entry withdrawn at the next launch]
+    in fusedist/reliability/failed_elsewhere.py), or a failure of the group's own collectives or the process's
+    end writes its entry in its place. After the first sends' notices every later step of the pipeline is
+    refused (Note [a step that raised] in _pipeline_step_failures.py); a failed shape inference counts as ended
+    and the next step may run: its reductions withdraw the entries, so a later wait of the peers blocked past
+    the probe's delay (a rank saving a checkpoint, a slow data loader) is no longer told of the old failure.
+    Not withdrawn at the next step's beginning: a peer that passes the delay before that step's first
+    reduction would then go on waiting, unwarned, for a reduction of another step.
+
+Note [a one-rank pipeline's failure told to its data-parallel peers]
+    A pipeline of one rank (``pp=1``: every stage on one rank, the rank's data-parallel peers running pipelines
+    of their own) tells no other rank of its failures: no notice, no exchange. A stage's forward, loss or
+    backward that raised in a scheduled step (or its shape inference) left the peers waiting in a reduction
+    this rank never issues until the process's end or, where the error was caught, the group's timeout. The
+    rank now publishes the failure's message as above before it raises its own error, once a step: the peers'
+    waits fail about the probe's delay later, naming it, and the entries go at this rank's next launch in
+    each group.
 """
 
 from __future__ import annotations
@@ -175,6 +187,9 @@ def told_at_step_end(stage, chunk: int, error: Exception, where: str, backward: 
     """The error a stage's pass raises where its failure is told at the step's end (the others learn
     of it there); None where it is not, and the pass's own error stands."""
     if not fails_here(stage):
+        if stage.group_size == 1 and not getattr(stage, "_status_told", True):  # (a scheduled step)
+            # Note [a one-rank pipeline's failure told to its data-parallel peers]
+            publish_failure(stage, failed_elsewhere.failure_told(error) or failure_message(stage, chunk, error, where))
         return None
     # Note [a pipeline's failure told to its data-parallel peers]: a wait that failed because a peer of a
     # data-parallel group failed in its pipeline tells that failure, not the wait's
@@ -250,10 +265,18 @@ def put_back_buffers(stage) -> None:
 
 
 def publish_first_step_failure(stage, message: str) -> None:
-    """Before a rank of a pipeline over several ranks raises a failure told by the first step's notices: the
-    message published to its data-parallel peers, once a step (Note [a first-step failure told to the
-    data-parallel peers])."""
-    if stage.group_size > 1 and not getattr(stage, "_published_elsewhere", None):
+    """Before a rank raises a failure told by the first step's notices (or its own shape inference's, on a
+    one-rank pipeline): the message published to its data-parallel peers, once a step (Note [a first-step
+    failure told to the data-parallel peers])."""
+    if stage.group_size > 1 or not getattr(stage, "_status_told", True):  # (one rank: a scheduled step)
+        publish_failure(stage, message)
+
+
+def publish_failure(stage, message: str) -> None:
+    """``message`` published to the rank's data-parallel peers, once a step; withdrawn by the rank's next
+    collective in each group (Note [a failure entry withdrawn at the next launch] in
+    fusedist/reliability/failed_elsewhere.py)."""
+    if not getattr(stage, "_published_elsewhere", None):
         stage._published_elsewhere = failed_elsewhere.publish(message) or None
 
 

@@ -1031,47 +1031,72 @@ def test_stages_of_fusedist_ddp_reduce_once_per_step(launched4):
 
 
 def _dp_peer_failure_worker(rank, world_size, seed, micro_batch=2, cases=(("DistributedDataParallel", False),
-                                                                          ("fully_shard", False))):
-    """pp=2 x dp=2; stage 1 of pipeline 0 (global rank 2) fails in its loss at ``micro_batch`` of the first step
-    (each rank catches the error and goes on), per case: the stage module's wrapper, and whether the stages are
-    given their shapes (else the first step infers them). Each rank's error and how long after the step began
-    it came."""
+                                                                          ("fully_shard", False)), pp_size=2):
+    """pp=``pp_size`` x dp; the last stage of pipeline 0 (global rank 2 of pp=2 x dp=2, rank 0 of pp=1 x dp=2)
+    fails in its loss at ``micro_batch`` of the first step (each rank catches the error and goes on), per case:
+    the stage module's wrapper, and whether the stages are given their shapes (else the first step infers them).
+    Each rank's error and how long after the step began it came."""
+    out = {}
+    for wrap, shapes_given in cases:
+        pp, dp, schedule = _dp_pipeline(seed, pp_size, wrap, shapes_given, micro_batch)
+        x, y = _dp_batch(seed, dp)
+        if rank == world_size - world_size // pp_size:
+            y[2 * micro_batch:2 * micro_batch + 2] = 777  # the micro-batch's rows
+        torch.distributed.barrier()
+        began, raised, collective = time.monotonic(), None, None
+        try:
+            _dp_step(schedule, pp, x, y)
+        except Exception as e:  # (a one-rank pipeline raises the loss's own ValueError)
+            raised, collective = str(e), _collective_error_in_chain(e)
+        out[wrap + (", shapes given" if shapes_given else "")] = (
+            time.monotonic() - began, raised, _failure_entries_left(), collective)
+    return out
+
+
+def _dp_pipeline(seed, pp_size, wrap, shapes_given, refused):
+    """A pp=``pp_size`` x dp mesh's stage under fusedist DDP or fully_shard over dp, and its 1F1B schedule, whose
+    loss refuses a micro-batch of targets all 777."""
     from torch.distributed import pipelining
     from torch.distributed.device_mesh import init_device_mesh
 
     import fusedist
     from fusedist.pipelining import PipelineStage
 
-    out = {}
-    for wrap, shapes_given in cases:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-        pp, dp = mesh["pp"], mesh["dp"]
-        module = _stage_module(pp.get_local_rank(), 2, seed)
-        wrapped = (fusedist.DistributedDataParallel(module, process_group=dp.get_group())
-                   if wrap == "DistributedDataParallel" else fusedist.fully_shard(module, mesh=dp))
-        shapes = {"input_args": (torch.empty(2, WIDTH),), "output_args": (torch.empty(2, WIDTH),)}
-        stage = PipelineStage(wrapped, pp.get_local_rank(), 2, torch.device("cpu"), group=pp.get_group(),
-                              **(shapes if shapes_given else {}))
+    world = torch.distributed.get_world_size()
+    if pp_size == 1:  # (init_device_mesh's dp dim would be the default group, given up by an earlier case)
+        from torch.distributed.device_mesh import DeviceMesh
 
-        def loss_fn(o, t):
-            if bool((t == 777).all()):
-                raise ValueError(f"the target of micro-batch {micro_batch} is refused")
-            return ((o - t) ** 2).mean()
+        singles = [torch.distributed.new_group([r]) for r in range(world)]
+        groups = [singles[torch.distributed.get_rank()], torch.distributed.new_group(list(range(world)))]
+        mesh = DeviceMesh.from_group(groups, "cpu", mesh=torch.arange(world).view(1, world),
+                                     mesh_dim_names=("pp", "dp"))
+    else:
+        mesh = init_device_mesh("cpu", (pp_size, world // pp_size), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"], mesh["dp"]
+    module = _stage_module(pp.get_local_rank(), pp_size, seed)
+    wrapped = (fusedist.DistributedDataParallel(module, process_group=dp.get_group())
+               if wrap == "DistributedDataParallel" else fusedist.fully_shard(module, mesh=dp))
+    shapes = {"input_args": (torch.empty(2, WIDTH),), "output_args": (torch.empty(2, WIDTH),)}
+    stage = PipelineStage(wrapped, pp.get_local_rank(), pp_size, torch.device("cpu"), group=pp.get_group(),
+                          **(shapes if shapes_given else {}))
 
-        schedule = pipelining.Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
-        g = torch.Generator().manual_seed(seed + dp.get_local_rank())
-        x, y = torch.randn(2 * MICRO_BATCHES, WIDTH, generator=g), torch.randn(2 * MICRO_BATCHES, WIDTH, generator=g)
-        if rank == 2:
-            y[2 * micro_batch:2 * micro_batch + 2] = 777  # the micro-batch's rows
-        torch.distributed.barrier()
-        began, raised, collective = time.monotonic(), None, None
-        try:
-            schedule.step(x) if pp.get_local_rank() == 0 else schedule.step(target=y)
-        except RuntimeError as e:
-            raised, collective = str(e), _collective_error_in_chain(e)
-        out[wrap + (", shapes given" if shapes_given else "")] = (
-            time.monotonic() - began, raised, _failure_entries_left(), collective)
-    return out
+    def loss_fn(o, t):
+        if bool((t == 777).all()):
+            raise ValueError(f"the target of micro-batch {refused} is refused")
+        return ((o - t) ** 2).mean()
+
+    return pp, dp, pipelining.Schedule1F1B(stage, n_microbatches=MICRO_BATCHES, loss_fn=loss_fn)
+
+
+def _dp_batch(seed, dp):
+    g = torch.Generator().manual_seed(seed + dp.get_local_rank())
+    return torch.randn(2 * MICRO_BATCHES, WIDTH, generator=g), torch.randn(2 * MICRO_BATCHES, WIDTH, generator=g)
+
+
+def _dp_step(schedule, pp, x, y):
+    """One step of the schedule: the first stage takes the inputs, the last the targets."""
+    first, last = pp.get_local_rank() == 0, pp.get_local_rank() == pp.size() - 1
+    return schedule.step(*((x,) if first else ()), **({"target": y} if last else {}))
 
 
 def _collective_error_in_chain(error):
@@ -1150,6 +1175,72 @@ def test_a_first_step_failure_at_micro_batch_0_fails_every_data_parallel_pipelin
                 assert "failed elsewhere: " in (collective or "") and told[case] in collective, (rank, case, collective)
             else:  # kept: the pipeline refuses every later step, and each peer that read it gave the group up
                 assert left, (rank, case, left)
+
+
+def _recovered_first_step_worker(rank, world_size, seed):
+    """pp=2 x dp=2 under fusedist DDP, the stages' shapes inferred by the first step: every pipeline's last stage
+    refuses micro-batch 0 of the first step (the shape inference fails; each rank catches the error and goes
+    on); then a step every rank takes; then one global rank 3 begins twice the probe's delay late, its
+    data-parallel peer (global rank 2) waiting for it in the reduction. Per step, this rank's error; whether
+    its data-parallel group still holds its failure entry after the good step; the third step's seconds."""
+    pp, dp, schedule = _dp_pipeline(seed, 2, "DistributedDataParallel", False, 0)
+    suffix = f"-pg{dp.get_group().group_name}"
+    out = {"errors": []}
+    for step in range(3):
+        x, y = _dp_batch(seed + step, dp)
+        if step == 0 and pp.get_local_rank() == 1:
+            y[:2] = 777  # micro-batch 0's rows, on both pipelines
+        torch.distributed.barrier()
+        if step == 2 and rank == 3:
+            time.sleep(2 * float(PROMPT_PROBE["FUSEDIST_DIVERGENCE_PROBE_S"]))  # a slow data loader
+        began = time.monotonic()
+        try:
+            _dp_step(schedule, pp, x, y)
+            out["errors"].append(None)
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            out["errors"].append(str(e))
+        if step == 1:
+            out["left"] = [name for name in _failure_entries_left() if name.endswith(suffix)]
+        out["seconds"] = time.monotonic() - began
+    return out
+
+
+def test_a_caught_first_step_failure_is_not_told_to_the_peers_once_training_goes_on(launched4):
+    """Note [a failure entry withdrawn at the next launch] (fusedist/reliability/failed_elsewhere.py): every
+    pipeline's shape inference fails at the first step, every rank catches the error and trains on. Each rank's
+    failure entry stayed in its data-parallel group for good: a later wait blocked past the probe's delay (a
+    peer 1 s late, the delay 0.5 s) was told the old failure, "rank 1 (global rank 3) failed elsewhere", and
+    gave the group up. Now the next step's reductions withdraw the entries, and the late step completes on every
+    rank, as torch's DDP waits for a late peer."""
+    cause = "ValueError: the target of micro-batch 0 is refused"
+    per_rank = results_of(launched4, "recovered first step")
+    for rank, out in enumerate(per_rank):
+        first, good, late = out["errors"]
+        assert first is not None and cause in first and "shape inference" in first, (rank, first)
+        assert good is None and late is None, (rank, good, late)
+        assert out["left"] == [], (rank, out["left"])
+    assert per_rank[2]["seconds"] > float(PROMPT_PROBE["FUSEDIST_DIVERGENCE_PROBE_S"]), per_rank[2]  # it waited
+
+
+def test_a_one_rank_pipelines_failure_fails_its_data_parallel_peers_promptly(launched2):
+    """Note [a one-rank pipeline's failure told to its data-parallel peers]: pp=1 x dp=2 (each rank a pipeline of
+    one stage), rank 0's loss refuses micro-batch 0 of the first step, inferring the shapes (DDP) or given them
+    (fully_shard), and it catches the error. Its peer waited in a reduction rank 0 never issues until the
+    collective timeout (20 s here); now it fails shortly after the probe's delay (0.5 s), its error naming rank
+    0's failure."""
+    told = {"DistributedDataParallel": "shape inference (backward) failed at stage 0 (rank 0 of the pipeline's "
+                                       "group): ValueError: the target of micro-batch 0 is refused",
+            "fully_shard, shapes given": "stage 0 (rank 0 of the pipeline's group) failed at micro-batch 0's loss: "
+                                         "ValueError: the target of micro-batch 0 is refused"}
+    per_rank = results_of(launched2, "one-rank pipeline failure")
+    for rank, out in enumerate(per_rank):
+        assert set(out) == set(told), (rank, out)
+        for case, (seconds, raised, left, collective) in out.items():
+            assert raised is not None, (rank, case)
+            assert seconds < 10, (rank, case, seconds, raised)  # (the collective timeout: 20 s)
+            if rank == 1:
+                assert "cannot complete on rank 1 of 2: rank 0 failed elsewhere: " in (collective or "") \
+                    and told[case] in collective, (case, collective)
 
 
 def _no_sync_worker(rank, world_size, seed):
@@ -1491,6 +1582,8 @@ def launched4(request, tmp_path_factory):
         "test_a_first_step_failure_at_micro_batch_0_fails_every_data_parallel_pipeline_promptly": {  # (it too)
             "dp peer first step failure": (under_env, PROMPT_PROBE, _dp_peer_failure_worker, seed, 0,
                                            (("DistributedDataParallel", False), ("fully_shard", True)))},
+        "test_a_caught_first_step_failure_is_not_told_to_the_peers_once_training_goes_on": {  # (it too)
+            "recovered first step": (under_env, PROMPT_PROBE, _recovered_first_step_worker, seed)},
     })
     return {"seed": seed, **launch_for_selected(request, jobs, 4, timeout=600)}
 
@@ -1521,5 +1614,8 @@ def launched2(request):
             "uneven on one rank": (_one_rank_uneven_worker, seed)},
         "test_an_uneven_first_step_is_refused_by_the_first_stage_naming_the_micro_batch": {
             "uneven first step": (_uneven_first_step_worker, seed)},
+        "test_a_one_rank_pipelines_failure_fails_its_data_parallel_peers_promptly": {  # (last: it fails a step)
+            "one-rank pipeline failure": (under_env, PROMPT_PROBE, _dp_peer_failure_worker, seed, 0,
+                                          (("DistributedDataParallel", False), ("fully_shard", True)), 1)},
     })
     return {"seed": seed, **launch_for_selected(request, jobs, 2, timeout=300)}

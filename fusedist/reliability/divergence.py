@@ -67,7 +67,9 @@ failed_elsewhere.py) while it waits to tell it, and never issues the collective 
 probe read it as one more rank stuck in a collective that cannot pair, waited for every rank to be stuck,
 and told "their programs diverged" -- advice that sends the user after a skipped backward that never was.
 Such an entry is now a verdict of its own, given at the first read past the delay (the entry is
-withdrawn only once the failure has been told, so it cannot be a passing one): "rank N failed elsewhere:
+withdrawn once the failure has been told, or at the rank's next launch in the group -- Note [a failure
+entry withdrawn at the next launch] in failed_elsewhere.py -- so while it stands the rank issues nothing
+there and it cannot be a passing one): "rank N failed elsewhere:
 <its message>", the peer named by its rank in the group and its global rank -- for a wait in a collective
 the peer had not launched when it failed (its entry names the first such); one it had launched may still
 complete, and is probed as before.

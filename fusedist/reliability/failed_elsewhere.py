@@ -15,6 +15,20 @@ in divergence.py), and whoever handles that error can read the message (:func:`f
 that. The entry is withdrawn once the rank's failure has been told, so a group used again later is probed
 as before. A rank whose group already holds its entry of a real collective failure keeps that one (Note
 [one entry per rank] in monitor.py). Costs nothing until a failure; store calls only then.
+
+Note [a failure entry withdrawn at the next launch]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Where nothing waits for the peers to read the entry (a pipeline's first-step failure, told along the pipeline
+by notices: Note [a first-step failure told to the data-parallel peers] in fusedist/_pipeline_step_status.py),
+it was kept for good: after a caught failure the rank trained on, and any later wait of a peer blocked past
+the probe's delay (a rank saving a checkpoint, a slow data loader) was told of the old failure and gave the
+group up. What the entry says -- this rank waits in no collective of the group from collective ``seq`` on --
+stays true exactly until the rank launches its next collective there; so that launch withdraws it, in that
+group alone, before the rank waits. A peer still waiting for this rank is told as long as this rank issues
+nothing there; once it does, the peer's wait pairs with it (or, where the two cannot pair, the probe names
+both as diverged). The launch reads this rank's entry first and withdraws only the failure it published (an
+entry written since, a real failure's, a check's, stays). Costs one store read and delete at the first
+launch after a published failure; nothing otherwise.
 """
 
 from __future__ import annotations
@@ -29,8 +43,9 @@ WAITS_IN = "no collective of this group (it failed elsewhere and is telling its 
 
 
 def publish(message: str) -> list:
-    """Publish ``message`` as this rank's failure in each of its monitored groups; the monitors written to
-    (for :func:`withdraw`). Never raises."""
+    """Publish ``message`` as this rank's failure in each of its monitored groups, each withdrawn at this rank's
+    next launch there (Note [a failure entry withdrawn at the next launch]); the monitors written to (for
+    :func:`withdraw`). Never raises."""
     written = []
     for monitor in list(_monitor._monitors):
         if monitor.store is None or monitor.reports:
@@ -41,6 +56,7 @@ def publish(message: str) -> list:
                      "waiting_on": {"op": WAITS_IN, "tag": "", "seq": getattr(monitor.comm, "last_seq", -1) + 1}}
             if stall_report.publish(monitor.store, monitor.group_name, monitor.generation, monitor.comm.rank, entry):
                 written.append(monitor)
+                monitor.on_launch = _UntilNextLaunch(monitor, message)  # Note [a failure entry withdrawn at the ...]
         except Exception:  # noqa: BLE001 - telling the peers is best effort; the failure itself is raised anyway
             continue
     return written
@@ -49,8 +65,34 @@ def publish(message: str) -> list:
 def withdraw(written: list) -> None:
     """Remove the entries :func:`publish` wrote (unless a real failure of the group replaced one since)."""
     for monitor in written:
+        _disarm(monitor)
         if not monitor.reports:
             stall_report.withdraw(monitor.store, monitor.group_name, monitor.generation, monitor.comm.rank)
+
+
+class _UntilNextLaunch:
+    """A monitor's ``on_launch`` while this rank's failure entry stands in its group: the rank's next launch
+    there withdraws it, then the monitor's own runs (Note [a failure entry withdrawn at the next launch])."""
+
+    def __init__(self, monitor, message: str):
+        self.monitor, self.message = monitor, message
+
+    def __call__(self, comm, handle) -> None:
+        monitor = self.monitor
+        _disarm(monitor)
+        if not monitor.reports and monitor.store is not None:
+            rank = monitor.comm.rank
+            mine = (stall_report.read_entries(monitor.store, monitor.group_name, monitor.generation, [rank])
+                    or {}).get(rank) or {}
+            if mine.get("kind") == "failure" and mine.get("failed_elsewhere") == self.message:
+                stall_report.withdraw(monitor.store, monitor.group_name, monitor.generation, rank)
+        monitor.on_launch(comm, handle)
+
+
+def _disarm(monitor) -> None:
+    """The monitor's own ``on_launch`` again (its class's)."""
+    if isinstance(vars(monitor).get("on_launch"), _UntilNextLaunch):
+        vars(monitor).pop("on_launch", None)
 
 
 def failure_told(error: BaseException) -> Optional[str]:

@@ -300,6 +300,7 @@ def _worker(rank, world_size, seed, root):
     model = _build(mesh, fusedist.fully_shard, seed)
     opt, out["scaler"] = _scaler_step_with_inf_on(3, rank, model, seed)
     out["refusals"] = _refusals(mesh)
+    out["other root"] = _dp_mesh_of_another_root(mesh, seed)
     # the pinned gradients of the test below, on the same mesh (one launch of the 4 ranks for both)
     out["pinned"] = _pinned(mesh)
     # a plain unit beside the tensor-parallel ones (the tests below), on the same mesh
@@ -455,6 +456,42 @@ def _refusals(mesh) -> dict:
     return out
 
 
+def _dp_mesh_of_another_root(mesh, seed: int) -> dict:
+    """Tensor parallelism on ``mesh["tp"]``, ``fully_shard`` on a mesh of the same data-parallel ranks
+    built on its own (another root mesh, which FSDP2 refuses at fully_shard: "Cannot concatenate
+    DeviceMeshes derived from different device meshs"): one SGD step against the unsharded model on
+    both data-parallel ranks' batches, and ``device_mesh``'s answer (no mesh holds both)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import fusedist
+
+    ranks = mesh.mesh.t().contiguous()  # (dp, tp) of ``mesh`` as (tp, dp): rows are the data-parallel groups
+    dp = DeviceMesh("cpu", ranks, mesh_dim_names=("tp_of_other", "dp_of_other"))["dp_of_other"]
+    torch.manual_seed(seed)
+    plain = _FeedForward()
+    model = _FeedForward()
+    model.load_state_dict(plain.state_dict())
+    parallelize_module(model, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    fusedist.fully_shard(model, mesh=dp)
+    xs = [torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(seed + r)) for r in range(2)]
+    model(xs[mesh["dp"].get_local_rank()]).square().sum().backward()
+    sum(plain(x).square().sum() for x in xs).div(2).backward()
+    for m in (model, plain):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    whole = fusedist.fsdp.full_state_dict(model)
+    out = {"weights": max((whole[k] - v).abs().max().item() for k, v in plain.state_dict().items())}
+    entry = model.state_dict()["w1.weight"]
+    out["placements"] = [str(p) for p in entry.placements]
+    for what, get in (("entry mesh", lambda: entry.device_mesh),
+                      ("parameter mesh", lambda: model.w1.weight.device_mesh)):
+        try:
+            out[what] = repr(get())
+        except RuntimeError as exc:
+            out[what] = str(exc)
+    return out
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     seed = int(torch.randint(0, 10_000, ()).item())
@@ -564,6 +601,21 @@ def test_refusals_name_the_parameter(results):
     out = results[1][0]["refusals"]
     assert "parameter 'ffn.w1.weight' is tensor-parallel and shard_placement_fn gave Shard(1)" in out["placement"]
     assert "overlap the data-parallel group's" in out["same mesh"]
+
+
+def test_data_parallel_mesh_of_another_root_trains_and_names_the_missing_mesh(results):
+    """FSDP2 refuses a data-parallel mesh not of the tensor-parallel mesh's root; fusedist trains as the
+    unsharded model, and ``device_mesh`` (no mesh holds both) names the parameter and the way out."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for out in results[1]:
+        out = out["other root"]
+        assert out["weights"] < 1e-6, out  # (fp32: the two batches' gradients summed in another order)
+        # (FSDP2's placements on one root mesh: the data-parallel shard strided over the ColwiseParallel one)
+        assert out["placements"] == [str(_StridedShard(0, split_factor=2)), str(Shard(0))], out
+        for what in ("entry mesh", "parameter mesh"):
+            assert "device_mesh of parameter 'w1.weight'" in out[what] and "mesh['dp']" in out[what], out[what]
 
 
 # ------------------------------------------------ a plain unit beside tensor-parallel ones

@@ -26,7 +26,7 @@ from torch import nn
 
 import fusedist
 from fusedist.testing import run_distributed
-from fusedist.testing.fsdp_compare import full_state as full_of, square_loss_steps, unsettled
+from fusedist.testing.fsdp_compare import full_state as full_of, settled, square_loss_steps, unsettled
 from shared_rank_launch import fresh_compiler, launch_for_selected, results_of
 
 pytest.importorskip("torchao")
@@ -200,6 +200,11 @@ def _hsdp_worker(rank, world):
     b = steps(ref, adamw(ref), range(2), rank, world)
     torch.testing.assert_close(a, b, **EXACT)
     assert_same_state(full_of(ours, True), full_of(ref, False), "under HSDP")
+    # the NF4 entries' to_local() and full_tensor() (gathered over the shard dim only) as FSDP2's
+    entries, theirs = ours.state_dict(), ref.state_dict()
+    for k in ("0.weight", "2.weight"):
+        assert same_nf4(entries[k].to_local(), theirs[k].to_local()), k
+        assert same_nf4(entries[k].full_tensor(), settled(theirs[k].full_tensor())), k
 
 
 def test_qlora_hsdp_matches_fsdp2():
@@ -231,6 +236,25 @@ def _state_worker(rank, world, path):
     ref = shard(qlora_model(1), fully_shard)
     set_model_state_dict(ref, dict(whole), options=StateDictOptions(full_state_dict=True))  # (it fills the dict)
     assert_same_state(full_of(ref, False), whole, "in FSDP2 after loading fusedist's full state dict")
+    # the entries of model.state_dict() read as FSDP2's DTensor entries of the same weights: to_local() this
+    # rank's NF4 chunk, full_tensor() the whole NF4 weight (a collective); also clones kept after the model is gone
+    NF4Tensor = _nf4()[0]
+    dropped = fresh()
+    fusedist.fsdp.load_full_state_dict(dropped, whole)
+    entries = {k: v.clone() for k, v in dropped.state_dict().items() if k.endswith(".weight")}
+    gone = weakref.ref(dropped[0])  # (the layer an NF4 weight lives on: the entries keep no module)
+    del dropped
+    gc.collect()
+    assert gone() is None
+    theirs = ref.state_dict()
+    for k, entry in entries.items():
+        assert entry.placements == theirs[k].placements, k
+        local, their_local = entry.to_local(), theirs[k].to_local()
+        assert type(local) is NF4Tensor and same_nf4(local, their_local), k
+        full, their_full = entry.full_tensor(), settled(theirs[k].full_tensor())
+        assert type(full) is NF4Tensor and same_nf4(full, their_full) and same_nf4(full, whole[k]), k
+        for a, b in ((local, their_local), (full, their_full)):
+            torch.testing.assert_close(a.get_original_weight(), b.get_original_weight(), **EXACT, msg=k)
     # a plain high-precision weight is quantized as the unsharded model's copy_ quantizes it
     w = torch.randn(256, 128)
     fusedist.fsdp.load_full_state_dict(m, {**whole, "0.weight": w})

@@ -16,7 +16,8 @@ to gather, reshard and reduce), ``root_setup`` (a root's set-up at its first for
 an optimizer step outdated), ``holder``
 (global norm and inf checks over shards), ``state_dict`` (whole-parameter export/import),
 ``dcp`` (state-dict entries torch's distributed checkpoint can save and load), ``whole_entry`` (an
-entry's ``full_tensor()`` and ``to_local()``, as FSDP2's DTensor entries have), ``dtensor_view`` (what
+entry's ``full_tensor()`` and ``to_local()``, as FSDP2's DTensor entries have), ``packed_entry`` (the
+same two of an NF4 weight's entry: torchao's class, whole or this rank's chunk), ``dtensor_view`` (what
 else an entry answers as FSDP2's DTensor: ``placements``, ``device_mesh``, which shard is its own),
 ``param_view`` (the same names on the parameters, the pieces -- an ``nn.Parameter`` subclass -- where
 FSDP2's are DTensors), ``extension_names`` (the same names on torchao's float8 and NF4 pieces, through a

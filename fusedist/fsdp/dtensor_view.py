@@ -25,7 +25,8 @@ Note [entries read as DTensors]
       which every rank of the shard group calls for the same entries in the same order, and a
       copy, whose writes do not reach the entry. Whether it is one is the same on every rank
       (all ranks' pieces are known from the layout), so no rank waits for another in vain.
-      Quantized storage (Note [quantized storage] in packed.py) is refused, as by ``full_tensor``.
+      Quantized storage (Note [quantized storage] in packed.py) answers as FSDP2's NF4 entries do:
+      torchao's class (Note [quantized-storage entries read as DTensors] in packed_entry.py).
 
     The description is taken when the entry is made and travels with it (``.clone()``,
     ``.to()``, ``copy.deepcopy``), with what a gather needs -- the shard group's communicator,
@@ -97,6 +98,13 @@ class EntryLayout:
         self.local_shape = local_shape  # the (tensor-parallel local) parameter's shape
         self.aligned = aligned  # every rank's piece is its FSDP2 chunk
         self.packed = packed
+        # quantized storage: the unit's layout of the weight, without its module (Note
+        # [quantized-storage entries read as DTensors] in packed_entry.py)
+        self.packed_spec = None
+        if packed:
+            from .packed_entry import detached_spec
+
+            self.packed_spec = detached_spec(unit.ext[index])
 
     def __deepcopy__(self, memo):
         # shared, not copied, by an entry's copies (``copy.deepcopy``, dcp.async_save's stager,
@@ -109,7 +117,16 @@ class EntryLayout:
 
     @property
     def device_mesh(self):
-        return self._meshes.mesh_for(self._tp_mesh)
+        try:
+            return self._meshes.mesh_for(self._tp_mesh)
+        except RuntimeError as e:  # (torch's _concatenate: meshes of different roots)
+            raise RuntimeError(
+                f"fusedist.fully_shard: device_mesh of parameter '{self.fqn}': its tensor-parallel mesh "
+                f"{self._tp_mesh} and the data-parallel mesh {self._meshes.dp_mesh()} given to fully_shard are not "
+                f"dims of one mesh ({e}), so no mesh holds both; FSDP2 refuses such a model at fully_shard. "
+                "fusedist trains it, and placements, to_local() and full_tensor() answer; for device_mesh, take "
+                "both from one mesh: mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')), parallelize on "
+                "mesh['tp'], fully_shard(..., mesh=mesh['dp']).") from None
 
     def chunk_shape(self) -> tuple:
         if not self.local_shape:  # (a 0-dim parameter: on the first rank, an empty tensor elsewhere)

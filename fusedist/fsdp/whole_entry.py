@@ -39,7 +39,12 @@ _HEADER = 3 + 2 * _MAX_DIMS  # kind, numel, ndim or lo/hi, then a box's offsets 
 
 def full_tensor_of(entry) -> torch.Tensor:
     """The whole parameter of ``entry`` (a ShardedPiece) from every rank's entry (Note [whole entries])."""
-    whole, view = _local_whole(entry, "full_tensor()")
+    view = _view_of(entry, "full_tensor()")
+    if view.packed:  # Note [quantized-storage entries read as DTensors] in packed_entry.py
+        from .packed_entry import packed_whole
+
+        return packed_whole(entry, view)
+    whole, _ = _local_whole(entry, "full_tensor()")
     if view.tp is not None:  # the global parameter (a collective over the tensor-parallel group)
         whole = view.tp.full(whole)
     return whole.to(entry.device)
@@ -49,6 +54,10 @@ def to_local_of(entry) -> torch.Tensor:
     """This rank's FSDP2 shard of ``entry``'s parameter (Note [entries read as DTensors] in
     dtensor_view.py): the entry's own storage where its piece is that shard, else a collective."""
     view = _view_of(entry, "to_local()")
+    if view.packed:  # Note [quantized-storage entries read as DTensors] in packed_entry.py
+        from .packed_entry import packed_local
+
+        return packed_local(entry, view)
     if view.aligned:
         return entry.local().view(view.chunk_shape())
     whole, _ = _local_whole(entry, "to_local()")
@@ -58,11 +67,13 @@ def to_local_of(entry) -> torch.Tensor:
 def _view_of(entry, what: str):
     from .dcp import Ranges, describe_region
 
-    if isinstance(entry._fs_range, Ranges):
-        raise NotImplementedError(
-            f"fusedist: {what} of quantized storage (bytes of a packed weight) is not supported; "
-            "use fusedist.fsdp.full_state_dict(model), which gives the whole weights.")
     if entry._fs_view is None:
+        if isinstance(entry._fs_range, Ranges):
+            raise RuntimeError(
+                f"fusedist: {what} of quantized storage ({describe_region(entry._fs_range)} of the canonical bytes "
+                f"of a weight of {tuple(entry._fs_size)} bytes): the entry was not made by a fully_shard model's "
+                "state_dict(), so its weight's layout is unknown. Take the entries from the model's state_dict(), "
+                "or use fusedist.fsdp.full_state_dict(model).")
         raise RuntimeError(
             f"fusedist: {what} of a piece holding {describe_region(entry._fs_range)} of a parameter of shape "
             f"{tuple(entry._fs_size)}: the piece was not made by a fully_shard model's state_dict() (or "

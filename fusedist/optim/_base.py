@@ -90,9 +90,12 @@ class FusedOptimizerBase(ScalerProtocol, LoadedStateMixin, Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's (for the constructor's groups too), refusing a parameter the kernels cannot step
         (integer; complex where the class does not take it; nothing is added then), and leaving
-        out a fusedist-only setting given at its default (Note [param groups in torch's keys])."""
+        out a fusedist-only setting given at its default (Note [param groups in torch's keys]),
+        and naming the parameter where torch refuses one already in another group."""
+        self._refuse_in_another_group(param_group)
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
+        self._refuse_listed_twice(gi)
         self._drop_own_keys_at_default(self.param_groups[gi:])
         for pi, p in enumerate(self.param_groups[gi]["params"]):
             refusal = _complex.dtype_refusal(p, self._takes_complex)
@@ -101,6 +104,50 @@ class FusedOptimizerBase(ScalerProtocol, LoadedStateMixin, Optimizer):
                 raise TypeError(f"{type(self).__name__}: param {pi} of param group {gi} has dtype {p.dtype}; {refusal}")
         self._fusedist_complex = self.__dict__.get("_fusedist_complex") or (
             self._takes_complex and _complex.any_complex(self.param_groups[gi]["params"]))
+
+    # Note [a parameter listed twice]
+    # torch's optimizers take a group that lists one parameter twice, with a warning that this will be an error,
+    # and step it once per listing: its single-tensor and foreach steps give different values (the foreach ops
+    # apply each part of the update twice in turn). The fused step updates every listed tensor in one pass, so
+    # both listings read the same state and write the same memory: a third result, and on a GPU a race between
+    # the two writes. No result is the one to match, so such a group is refused, naming both positions.
+    def _refuse_listed_twice(self, gi: int) -> None:
+        """Refuse group ``gi`` (removing it) when it lists a parameter twice (Note [a parameter listed twice])."""
+        group = self.param_groups[gi]
+        first_at: dict[int, int] = {}
+        for pi, p in enumerate(group["params"]):
+            earlier = first_at.setdefault(id(p), pi)
+            if earlier == pi:
+                continue
+            self.param_groups.pop()
+            names = group.get("param_names")
+            named = f" ({names[pi]!r})" if names else ""
+            raise ValueError(
+                f"{type(self).__name__}: param group {gi} lists the same parameter{named} twice, as param "
+                f"{earlier} and param {pi} (shape {tuple(p.shape)}); the fused step would update it twice in one "
+                "pass from the same state, which no torch optimizer computes (torch's warn that this will be an "
+                "error). List each parameter once (e.g. model.parameters(), which skips tied weights' repeats).")
+
+    def _refuse_in_another_group(self, param_group: dict) -> None:
+        """torch's refusal of a parameter already in another group ("some parameters appear in more than one
+        parameter group", kept as the message's start), saying which parameter and where it is."""
+        params = param_group.get("params")
+        if isinstance(params, (torch.Tensor, set)) or params is None or not self.__dict__.get("param_groups"):
+            return  # (torch's own handling: one tensor, or its refusals)
+        param_group["params"] = params = list(params)  # (a generator is read once: torch's loader gets the list)
+        where = {id(p): (gi, pi) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])}
+        for pi, item in enumerate(params):
+            name, p = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
+            if id(p) not in where:
+                continue
+            gi, earlier = where[id(p)]
+            names = self.param_groups[gi].get("param_names")
+            known_as = f" ({names[earlier]!r})" if names else (f" ({name!r})" if name else "")
+            raise ValueError(
+                f"some parameters appear in more than one parameter group: param {pi} of the added group{known_as} "
+                f"is param {earlier} of param group {gi} (shape {tuple(p.shape)}), and torch's optimizers keep one "
+                f"group per parameter; {type(self).__name__} is unchanged. Leave it out of the added group, or "
+                "change the existing group's settings instead.")
 
     def _fusedist_reset_bookkeeping(self) -> None:
         """What this optimizer knows of its states besides the states themselves: none is known

@@ -119,7 +119,7 @@ class LoadedStateMixin:
                         raise ValueError(
                             f"{type(self).__name__}.load_state_dict: state {key!r} of param {pi} of param "
                             f"group {gi} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}; "
-                            "the state dict belongs to other parameters (nothing was loaded)"
+                            f"{_which_parameters(saved, group, pi)} (nothing was loaded)"
                         )
 
     # Note [a partial state refused]
@@ -174,6 +174,25 @@ class LoadedStateMixin:
             dtype = torch.float32 if key == "master_param" else state_dtype_of(p)
             return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format).copy_(value)
         return value.detach().to(device=p.device, copy=True)
+
+
+# Note [parameter names in a load]
+# torch's optimizers given named parameters save their names (a group's ``param_names``), and its loader pairs the
+# saved states with the parameters by position only, whatever the names say: a state dict saved with the
+# parameters in another order loads each state onto the wrong parameter (where the shapes differ, torch's
+# loader takes them anyway and its next step fails). The shape check above refuses it; where both sides have
+# names, the refusal says which saved parameter met which, so the fix -- the order of the saved names, or a
+# load pre-hook that reorders the states by name, as torch documents -- is plain.
+def _which_parameters(saved: dict, group: dict, pi: int) -> str:
+    """What a shape refusal of param ``pi`` says of the two parameters: by name where both have one."""
+    saved_names, names = saved.get("param_names"), group.get("param_names")
+    if not (saved_names and names and pi < len(saved_names) and pi < len(names)):
+        return "the state dict belongs to other parameters"
+    if saved_names[pi] == names[pi]:
+        return f"the state dict saved {saved_names[pi]!r} with another shape: it belongs to another model"
+    return (f"it was saved for {saved_names[pi]!r} and met {names[pi]!r} at that position: the state dict lists "
+            "its parameters in another order (loads pair them by position, as torch's do; build the optimizer "
+            "with the saved order, or reorder the states by param_names in a load_state_dict pre-hook)")
 
 
 def same_setting(a, b) -> bool:

@@ -389,12 +389,50 @@ def _outside_group_warning_as_error_counts_nothing(rank, ws):
         torch.testing.assert_close(getattr(ours, name), getattr(ref, name), **TOL)
 
 
+def _gradients_and_inputs_of_any_strides(rank, ws):
+    """Upstream gradients and inputs whose strides are not the input's: ``y.mean()`` (a
+    gradient of stride 0), a channels_last gradient of a contiguous input, a sliced one, an
+    input broadcast by ``expand`` (stride 0, its gradient summed back); with a frozen weight
+    and with ``bias=False``. Two steps each against the global batch."""
+    sizes = (2, 3)
+    mine = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    g = torch.Generator().manual_seed(12)
+    for case in ("mean", "channels_last_dy", "sliced_dy", "expanded_x"):
+        kw = {"bias": False} if case == "channels_last_dy" else {}
+        ours, ref = SyncBatchNorm(3, **kw), nn.BatchNorm2d(3, **kw)
+        for m in (ours, ref):
+            m.weight.requires_grad_(case != "mean")  # a frozen weight, its bias trained
+        for step in range(2):
+            base = torch.randn(sum(sizes), 3, 1 if case == "expanded_x" else 3, 2, generator=g)
+            DY = torch.randn(sum(sizes), 3, 3, 4, generator=g)[..., ::2]
+            leaf, ref_leaf = base[mine].clone().requires_grad_(True), base.clone().requires_grad_(True)
+            x, X = leaf, ref_leaf
+            if case == "expanded_x":
+                x, X = leaf.expand(-1, 3, 3, 2), ref_leaf.expand(-1, 3, 3, 2)
+            y, ref_y = ours(x), ref(X)
+            if case in ("mean", "expanded_x"):
+                (y.sum() / ref_y.numel()).backward()
+                ref_y.mean().backward()
+            else:
+                dy = DY[mine] if case == "sliced_dy" else DY[mine].contiguous(memory_format=torch.channels_last)
+                y.backward(dy)
+                ref_y.backward(DY)
+            torch.testing.assert_close(y, ref_y[mine].detach(), **TOL, msg=lambda m: f"{case} output: {m}")
+            torch.testing.assert_close(leaf.grad, ref_leaf.grad[mine], **TOL, msg=lambda m: f"{case} dx: {m}")
+            for p, q in zip(ours.parameters(), ref.parameters()):
+                assert p.requires_grad == (p.grad is not None), case
+                if p.grad is not None:
+                    torch.testing.assert_close(_all_sum(p.grad), q.grad, rtol=1e-5, atol=1e-4)
+                    p.grad, q.grad = None, None
+            torch.testing.assert_close(ours.running_var, ref.running_var, **TOL)
+
+
 PROBES = [_uneven_layouts_and_options, _loss_from_one_rank, _same_layer_twice_and_checkpointed,
           _compiled_converted_model, _reconvert_with_groups, _inf_on_one_rank,
           _averaged_copy_shares_the_group, _layers_saved_whole_check_channels_again_in_a_new_process,
           _float64_on_one_rank_only, _refusal_on_one_rank_reaches_every_rank,
           _transform_on_one_rank_reaches_every_rank, _one_rank_alone_is_refused_alone,
-          _outside_group_warning_as_error_counts_nothing]
+          _outside_group_warning_as_error_counts_nothing, _gradients_and_inputs_of_any_strides]
 
 
 def test_user_recipes_at_world_size_2():

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fusedist.plan import ModelSpec, activation_bytes
-from fusedist.plan.measure import _saved_activation_bytes
+from fusedist.plan.measure import _saved_activation_bytes, saved_storage_bytes
 from fusedist.plan.norm_bytes import block_norm_bytes, final_norm_bytes, layer_norm_bytes, rms_norm_bytes
 from fusedist.plan.torch_model import RMSNorm, Transformer
 
@@ -18,19 +18,9 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=[
 def _saved(module, x, leave_out_rows=False):
     """Bytes of the distinct storages autograd saves through ``module(x)``, parameters left out
     (and, with ``leave_out_rows``, the tensors of one value a row)."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     rows = x.numel() // x.shape[-1]
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params and st.nbytes() and not (leave_out_rows and t.numel() == rows):
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = module(x)
-    y.float().sum().backward()
-    return sum(seen.values())
+    return saved_storage_bytes(module, lambda: module(x).float().sum().backward(),
+                               lambda t: not (leave_out_rows and t.numel() == rows))
 
 
 @DTYPES

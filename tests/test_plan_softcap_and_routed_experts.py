@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusedist.plan import ModelSpec, PlanError, from_hf_config
+from fusedist.plan.measure import saved_storage_bytes
 from fusedist.plan.model import _moe_mlp_tensors, output_side_bytes, recomputed_layer_bytes
 from fusedist.plan.torch_model import Experts, Transformer, soft_cap
 from test_plan_configs import GEMMA2_2B, GEMMA2_27B, GEMMA3_1B, LLAMA3_8B
@@ -136,18 +137,7 @@ MOE_SPECS = {  # Mixtral's shape (no shared expert) and Qwen2-MoE's (a gated sha
 def _saved_bytes(module, x):
     """Bytes of the distinct storages autograd saves through ``module(x)`` and its backward,
     parameters left out (as --measure counts them)."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params and st.nbytes():
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = module(x)
-    y.float().sum().backward()
-    return sum(seen.values())
+    return saved_storage_bytes(module, lambda: module(x).float().sum().backward())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -161,19 +161,25 @@ def _model_state_bytes(params, opt, where=lambda t: True) -> int:
             + sum(v.numel() * v.element_size() for v in state if where(v)))
 
 
-def _saved_activation_bytes(model, tokens, targets) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+def saved_storage_bytes(module, run, counted=lambda t: True) -> int:
+    """Bytes of the distinct storages autograd saves while ``run()`` runs, ``module``'s
+    parameters left out, of the tensors ``counted`` keeps."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen = {}
 
     def pack(t):
         st = t.untyped_storage()
-        if st.data_ptr() not in params and st.nbytes():
+        if st.data_ptr() not in params and st.nbytes() and counted(t):
             seen[st.data_ptr()] = st.nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = F.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
-    del loss
+        run()
     return sum(seen.values())
+
+
+def _saved_activation_bytes(model, tokens, targets) -> int:
+    return saved_storage_bytes(
+        model, lambda: F.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten()))
 
 
 def _gemm_shapes(model, tokens: int) -> list:

@@ -149,6 +149,41 @@ def _ddp_worker(rank, ws):
     return out
 
 
+def _fullgraph_worker(rank, ws):
+    """``fullgraph=True`` with the wrapper: the module compiled inside it trains as torch's eager
+    DDP on fresh inputs (two steps: recompiles on other batch sizes cost seconds, probed without a
+    defect); the wrapper compiled whole
+    fails at its eager bookkeeping (as torch's DDP does unless its Python reducer is chosen),
+    with a reason that says how to compile whole."""
+    import fusedist
+
+    torch.manual_seed(0)
+    base = models.MLP()
+    gen = torch.Generator().manual_seed(rank)
+    batches = [models.MLP.batch(gen, 8) for _ in range(2)]
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ddp = fusedist.DistributedDataParallel(torch.compile(copy.deepcopy(base), backend=BACKEND, fullgraph=True))
+    for model in (ref, ddp):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for x, y in batches:
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    whole = torch.compile(fusedist.DistributedDataParallel(copy.deepcopy(base)), backend=BACKEND, fullgraph=True)
+    try:
+        whole(batches[0][0])
+        refused = "compiled"
+    except Exception as exc:  # dynamo's Unsupported
+        refused = str(exc)
+    return _max_diff(ref.parameters(), ddp.parameters()), refused
+
+
+def test_fullgraph_compile_inside_the_wrapper_matches_torch_and_whole_wrapper_says_how(shared_launch):
+    for rank, (diff, refused) in enumerate(results_of(shared_launch, "fullgraph")):
+        assert diff < 1e-6, (rank, diff)
+        assert "fusedist.DistributedDataParallel(torch.compile(model, fullgraph=True))" in refused, (rank, refused)
+
+
 def test_compiled_training_step_ddp_and_zero_match_torch(shared_launch):
     for rank, out in enumerate(results_of(shared_launch, "ddp")):
         for case, (diff, graphs) in out.items():
@@ -265,6 +300,8 @@ def shared_launch(request):
         "test_compiled_training_step_ddp_and_zero_match_torch": {"ddp": (_ddp_worker,)},
         "test_compiled_training_step_syncbn_matches_global_batchnorm": {"syncbn": (_syncbn_worker,)},
         "test_compiled_training_step_fully_shard_matches_fsdp2": {"fully_shard": (_fsdp_worker,)},
+        "test_fullgraph_compile_inside_the_wrapper_matches_torch_and_whole_wrapper_says_how": {
+            "fullgraph": (_fullgraph_worker,)},
         "test_compiled_autograd_refused_by_name": {
             (kind, around): (_compiled_autograd_worker, kind, around)
             for kind in ("fully_shard", "DistributedDataParallel") for around in (True, False)},

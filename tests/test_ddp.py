@@ -359,10 +359,21 @@ def _bad_input_worker(rank, world_size):
                 errors[f"output_device={given} {ddp.__module__}"] = "accepted"
             except ValueError as exc:
                 errors[f"output_device={given} {ddp.__module__}"] = str(exc)
+    # a negative cap: torch's DDP trains with it as no cap (one bucket), a negative list entry it refuses
+    grads, buckets = {}, {}
+    for ddp in (torch.nn.parallel.DistributedDataParallel, fusedist.DistributedDataParallel):
+        torch.manual_seed(0)
+        wrapped = ddp(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), bucket_cap_mb=-1)
+        for step in range(2):
+            wrapped(torch.randn(5, 3, generator=torch.Generator().manual_seed(10 * rank + step))).sum().backward()
+        grads[ddp.__module__] = [p.grad.clone() for p in wrapped.parameters()]
+        buckets[ddp.__module__] = wrapped
+    errors["cap grads"] = all(torch.equal(a, b) for a, b in zip(*grads.values()))
+    errors["cap buckets"] = len(buckets["fusedist.ddp.wrapper"].reducer.layout.buckets)
     try:
-        fusedist.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=-1)
+        fusedist.DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb_list=[-1])
     except ValueError as exc:
-        errors["cap"] = str(exc)
+        errors["cap list"] = str(exc)
     try:
         fusedist.DistributedDataParallel(nn.Linear(2, 2), not_an_option=True)
     except TypeError as exc:
@@ -405,6 +416,18 @@ def _bad_input_worker(rank, world_size):
         fusedist.DistributedDataParallel(nn.Linear(2, 2), mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
     except NotImplementedError as exc:
         errors["mp cast"] = str(exc)
+    # the tensors' own dtypes cast nothing (torch's DDP runs it as is; its integer buffers are not
+    # floating, which torch documents as left alone): accepted; a dtype that changes one is refused
+    same = _MixedPrecision(param_dtype=torch.float32, buffer_dtype=torch.float32)
+    bn = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    kept = fusedist.DistributedDataParallel(bn, mixed_precision=same)
+    errors["mp same"] = (str(kept.config.reduce_dtype), sorted(str(b.dtype) for b in bn.buffers()))
+    for key, module, given in (("mp float64", nn.Linear(2, 2).double(), same),
+                               ("mp buffer", bn, _MixedPrecision(buffer_dtype=torch.bfloat16))):
+        try:
+            fusedist.DistributedDataParallel(module, mixed_precision=given)
+        except NotImplementedError as exc:
+            errors[key] = str(exc)
     # not a _MixedPrecision (a string, a dict): torch's DDP fails on it; fusedist read it with defaults
     # and trained in float32 without a word
     for given in ("bf16", {"reduce_dtype": torch.bfloat16}):
@@ -436,7 +459,8 @@ def test_bad_input_messages(launched):
         assert "output_device 1" in errors["output_device=1 torch.nn.parallel.distributed"]
         ours = errors["output_device=1 fusedist.ddp.wrapper"]
         assert "output_device=1 given for a module on cpu" in ours and "device_ids=None for CPU" in ours, ours
-        assert "bucket_cap_mb must be a number of MiB >= 0" in errors["cap"]
+        assert errors["cap grads"] is True and errors["cap buckets"] == 1
+        assert "bucket_cap_mb_list must be a non-empty list of numbers of MiB >= 0" in errors["cap list"]
         assert "not_an_option" in errors["kwarg"]
         assert "sparse gradient" in errors["sparse"] and "'weight'" in errors["sparse"]
         assert "powerSGD_hook" in errors["powersgd"] and "reduce_dtype=torch.bfloat16" in errors["powersgd"]
@@ -447,6 +471,11 @@ def test_bad_input_messages(launched):
         assert errors["join"] == "ok"
         assert errors["mp none"] == "None" and errors["mp reduce"] == "torch.bfloat16"
         assert "param_dtype" in errors["mp cast"] and "torch.autocast" in errors["mp cast"]
+        assert errors["mp same"] == ("None", ["torch.float32", "torch.float32", "torch.int64"])
+        assert "param_dtype=torch.float32 would cast parameter 'weight' (and 1 more) from torch.float64" in \
+            errors["mp float64"], errors["mp float64"]
+        assert "buffer_dtype=torch.bfloat16 would cast buffer '1.running_mean' (and 1 more)" in errors["mp buffer"]
+        assert "(rank " in errors["mp buffer"]
         for given in ("str", "dict"):
             assert errors[f"mp {given} torch.nn.parallel.distributed"].startswith("AttributeError")
             ours = errors[f"mp {given} fusedist.ddp.wrapper"]

@@ -68,6 +68,21 @@ def test_device_arguments_without_device_ids_are_read_as_torch_reads_them():
         check_device_ids(torch.device("cpu"), None, 1)
 
 
+def test_output_device_attribute_keeps_the_one_given_as_torch_does():
+    """torch's DDP on CUDA keeps the ``output_device`` the user gives (as a device index; only
+    when None does it take ``device_ids[0]``); fusedist set ``device_ids[0]`` whatever was given.
+    A function of the module's device, so a CUDA device is named without one."""
+    from fusedist.ddp.arguments import device_attributes
+
+    gpu = torch.device("cuda", 0)
+    assert device_attributes(gpu, [0], None) == ([0], 0)
+    for given in (1, "cuda:1", torch.device("cuda", 1)):
+        assert device_attributes(gpu, [0], given) == ([0], 1), given
+    assert device_attributes(gpu, [gpu], 0) == ([0], 0)
+    assert device_attributes(gpu, [], None) == (None, None)
+    assert device_attributes(torch.device("cpu"), None, None) == (None, None)
+
+
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()

@@ -12,8 +12,9 @@ from torch import nn
 
 from .._rank import this_rank
 
-__all__ = ["TORCH_ONLY_OPTIONS", "buffer_sync_settings", "check_device_ids", "group_of", "module_device",
-           "reduce_dtype_from_mixed_precision", "refuse_dtensors"]
+__all__ = ["TORCH_ONLY_OPTIONS", "buffer_sync_settings", "check_device_ids", "device_attributes", "group_of",
+           "module_device", "reduce_dtype_from_mixed_precision",
+           "refuse_dtensors", "refuse_mixed_precision_casts"]
 
 #: torch options that change only how torch schedules its own reduction: accepted and ignored
 #: (the gradients come out the same). ``device_mesh`` chooses the group, so it is honoured.
@@ -42,7 +43,7 @@ def buffer_sync_settings(broadcast_buffers: Optional[bool], forward_sync_buffers
 
 def reduce_dtype_from_mixed_precision(mixed_precision, reduce_dtype):
     """torch's (experimental) ``mixed_precision=_MixedPrecision(...)``: its ``reduce_dtype``
-    is fusedist's; casting parameters or buffers for the forward is not done here."""
+    is fusedist's; its ``param_dtype``/``buffer_dtype`` are checked by :func:`refuse_mixed_precision_casts`."""
     if mixed_precision is None:
         return reduce_dtype
     fields = ("param_dtype", "reduce_dtype", "buffer_dtype")
@@ -55,21 +56,37 @@ def reduce_dtype_from_mixed_precision(mixed_precision, reduce_dtype):
             f"{type(mixed_precision).__name__} {mixed_precision!r:.80}; for a narrower gradient reduction "
             "pass mixed_precision=_MixedPrecision(reduce_dtype=torch.bfloat16) or reduce_dtype=torch.bfloat16"
         )
-    param_dtype = mixed_precision.param_dtype
-    buffer_dtype = mixed_precision.buffer_dtype
-    if param_dtype is not None or buffer_dtype is not None:
-        raise NotImplementedError(
-            f"fusedist.DistributedDataParallel (rank {this_rank()}): mixed_precision with param_dtype/buffer_dtype "
-            f"(param_dtype={param_dtype}, buffer_dtype={buffer_dtype}: a forward "
-            "in a cast copy of the parameters) is not supported; run the forward under torch.autocast, "
-            "or cast the module and keep FP32 master weights in the optimizer "
-            "(fusedist.optim.FusedAdamW(master_weights=True)). Its reduce_dtype maps to reduce_dtype=."
-        )
     mp_reduce = mixed_precision.reduce_dtype
     if reduce_dtype is not None and mp_reduce is not None and mp_reduce != reduce_dtype:
         raise ValueError(f"fusedist.DistributedDataParallel: reduce_dtype={reduce_dtype} and "
                          f"mixed_precision.reduce_dtype={mp_reduce} disagree; pass one of them")
     return reduce_dtype if reduce_dtype is not None else mp_reduce
+
+
+def refuse_mixed_precision_casts(mixed_precision, named_params: list, named_buffers: list) -> None:
+    """``_MixedPrecision(param_dtype=..., buffer_dtype=...)`` runs the forward in a cast copy of
+    the floating parameters and buffers (torch's documented rule: only floating tensors are
+    cast). A dtype they already have casts nothing, as in torch, so it is accepted; a real cast
+    is refused, naming the first tensor it would change."""
+    if mixed_precision is None:
+        return
+    for kind, target, named in (("param", mixed_precision.param_dtype, named_params),
+                                ("buffer", mixed_precision.buffer_dtype, named_buffers)):
+        if target is None:
+            continue
+        cast = [(n, t) for n, t in named if t.is_floating_point() and t.dtype != target]
+        if not cast:
+            continue
+        name, t = cast[0]
+        more = f" (and {len(cast) - 1} more)" if len(cast) > 1 else ""
+        raise NotImplementedError(
+            f"fusedist.DistributedDataParallel (rank {this_rank()}): mixed_precision with {kind}_dtype={target} "
+            f"would cast {'parameter' if kind == 'param' else 'buffer'} '{name}'{more} from {t.dtype} (a forward "
+            "in a cast copy of the parameters), which is not supported; run the forward under torch.autocast, "
+            "or cast the module and keep FP32 master weights in the optimizer "
+            "(fusedist.optim.FusedAdamW(master_weights=True)). A dtype the tensors already have is accepted; "
+            "its reduce_dtype maps to reduce_dtype=."
+        )
 
 
 def group_of(process_group, device_mesh):
@@ -164,3 +181,16 @@ def check_device_ids(device: torch.device, device_ids, output_device) -> None:
                 f"fusedist.DistributedDataParallel: device_ids={device_ids} but the module is on "
                 f"{device}; single-device modules take device_ids=[their device]"
             )
+
+
+def device_attributes(device: torch.device, device_ids, output_device) -> tuple:
+    """torch DDP's ``(device_ids, output_device)`` attributes once :func:`check_device_ids`
+    passed: ``(None, None)`` without ``device_ids`` or on CPU; else the module's device index
+    and the ``output_device`` the user gave (as its index), defaulting to ``device_ids[0]``, as
+    ``DistributedDataParallel.__init__`` keeps it (it does not check it against the module)."""
+    if not device_ids or device.type == "cpu":
+        return None, None
+    from torch._utils import _get_device_index
+
+    kept = device.index if output_device is None else _get_device_index(output_device, True)
+    return [device.index], kept

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -15,7 +16,8 @@ from .layout import MiB
 class DDPConfig:
     bucket_cap_mb: float = 25.0
     """Target bucket size. Large enough to amortize per-collective latency, small enough that
-    the first buckets are ready (and launched) early in backward. Same default as torch."""
+    the first buckets are ready (and launched) early in backward. Same default as torch.
+    A negative cap is no cap (Note [a negative bucket cap])."""
 
     first_bucket_cap_mb: float = 1.0
     """The first bucket (the last layers, whose gradients are ready first) is small so that
@@ -71,21 +73,21 @@ class DDPConfig:
         """The caps of the k-th bucket of each dtype, in bytes, the last serving every later
         bucket: ``bucket_cap_mb_list``, else ``first_bucket_cap_mb`` then ``bucket_cap_mb``."""
         caps = self.bucket_cap_mb_list or (self.first_bucket_cap_mb, self.bucket_cap_mb)
-        return [int(c * MiB) for c in caps]
+        return [int(c * MiB) if c >= 0 else sys.maxsize for c in caps]
 
     def __post_init__(self):
         # A cap of 0 is torch's too: every bucket closes at its first parameter (one bucket per
-        # parameter). A negative one, which torch also takes that way, is refused as a mistake.
+        # parameter); a negative one is no cap (Note [a negative bucket cap]).
         for name in ("bucket_cap_mb", "first_bucket_cap_mb"):
             value = getattr(self, name)
-            if not (_is_number(value) and value >= 0):
-                raise ValueError(f"DistributedDataParallel: {name} must be a number of MiB >= 0 "
+            if not _is_number(value):
+                raise ValueError(f"DistributedDataParallel: {name} must be a number of MiB "
                                  f"(0: one bucket per parameter), got {value!r}")
         if self.bucket_cap_mb_list is not None:
             caps = tuple(self.bucket_cap_mb_list)
             if not caps or not all(_is_number(c) and c >= 0 for c in caps):
                 raise ValueError("DistributedDataParallel: bucket_cap_mb_list must be a non-empty list of numbers "
-                                 f"of MiB >= 0, got {self.bucket_cap_mb_list!r}")
+                                 f"of MiB >= 0 (torch refuses a negative entry too), got {self.bucket_cap_mb_list!r}")
             self.bucket_cap_mb_list = caps
         if self.reduce_dtype is not None and not (
             isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
@@ -106,3 +108,14 @@ def first_bucket_cap(bucket_cap_mb: Optional[float], first_bucket_cap_mb: Option
     if first_bucket_cap_mb is not None:
         return first_bucket_cap_mb
     return 1.0 if bucket_cap_mb is None else bucket_cap_mb
+
+
+# Note [a negative bucket cap]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch's DDP takes ``bucket_cap_mb=-1`` and trains: the negative byte cap reaches its C++
+# reducer as an unsigned size, i.e. no cap, and every gradient of a dtype travels in one bucket
+# (2.13 on gloo, observed with a comm hook: one call per backward). Scripts that pass it run
+# the same here: a negative ``bucket_cap_mb`` (and the first-bucket cap it gives) is no cap.
+# (torch's ``find_unused_parameters=True`` path fails on it with a TypeError from its bucket
+# assignment binding; here it is no cap there too.) A negative entry of ``bucket_cap_mb_list``
+# torch refuses on every path, so it is refused here, with the reason.

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
+from .arguments import device_attributes
 from .logging_data import DEFAULT_SAMPLE_RATE, check_sample_rate, ddp_logging_data
 
 __all__ = ["TorchDDPSurface"]
@@ -51,11 +52,10 @@ class TorchDDPSurface:
     """torch DDP's input placement and rank-local state; the wrapper sets ``module``,
     ``device`` and ``dim`` and calls :meth:`_init_surface` before using the rest."""
 
-    def _init_surface(self, module: nn.Module, device_ids) -> None:
+    def _init_surface(self, module: nn.Module, device_ids, output_device=None) -> None:
         # torch's attributes: device_ids only when given for a single-device accelerator module
         self.device_type = self.device.type
-        self.device_ids = [self.device.index] if device_ids and self.device.type != "cpu" else None
-        self.output_device = self.device_ids[0] if self.device_ids else None
+        self.device_ids, self.output_device = device_attributes(self.device, device_ids, output_device)
         self.use_side_stream_for_tensor_copies = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
         self._ignored_slots = ignored_slots(module, self.parameters_to_ignore)

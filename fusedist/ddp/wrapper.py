@@ -20,7 +20,7 @@ from . import dcp_names
 from . import join as _join
 from .agreement import check_layout_agrees, check_model_agrees, check_reduction_agrees
 from .arguments import (buffer_sync_settings, check_device_ids, group_of, module_device,
-                        reduce_dtype_from_mixed_precision, refuse_dtensors)
+                        reduce_dtype_from_mixed_precision, refuse_dtensors, refuse_mixed_precision_casts)
 from .buffer_broadcast import BufferBroadcast
 from .comm_hook import register_builtin_comm_hook, register_comm_hook
 from .config import DDPConfig, first_bucket_cap
@@ -79,6 +79,13 @@ def _supersede_owners(params, newer) -> list:
     return list(older.values())
 
 
+_BOOKKEEPING_RUNS_EAGERLY = (
+    "fusedist.DistributedDataParallel's forward runs its bookkeeping (step checks, buffer broadcast, join) "
+    "eagerly, one graph break before the module, so torch.compile(ddp_model, fullgraph=True) cannot capture it "
+    "whole; compile the module inside the wrapper instead: "
+    "fusedist.DistributedDataParallel(torch.compile(model, fullgraph=True)) (or drop fullgraph=True)")
+
+
 class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joinable):
     """Data parallelism with bucketed gradient all-reduce overlapped with backward.
 
@@ -112,8 +119,9 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
             torch schedules its own reduction, accepted for compatibility (the bucket layout is
             always rebuilt once from the observed order; the division is folded into the
             gradient copies already).
-        mixed_precision: torch's experimental ``_MixedPrecision``; only its ``reduce_dtype``
-            is supported (the same as ``reduce_dtype``).
+        mixed_precision: torch's experimental ``_MixedPrecision``; its ``reduce_dtype`` is
+            ``reduce_dtype``; ``param_dtype``/``buffer_dtype`` only as the tensors' own dtype
+            (a cast that changes nothing).
     """
 
     def __init__(
@@ -181,8 +189,9 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
         self.dim = dim
         self.device = module_device(module)
         check_device_ids(self.device, device_ids, output_device)
-        self._init_surface(module, device_ids)  # torch's placement attributes, the ignored names
+        self._init_surface(module, device_ids, output_device)  # torch's placement attributes, the ignored names
         refuse_dtensors(self.synced_parameters(), self.synced_buffers())  # Note [DDP over a tensor-parallel model]
+        refuse_mixed_precision_casts(mixed_precision, self.synced_parameters(), self.synced_buffers())
         self.comm = get_communicator(process_group, self.device)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
 
@@ -316,8 +325,10 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
     # number, so every step recompiled them until dynamo's recompile limit ("hit
     # config.recompile_limit" warnings, one compile per step for the first eight). It runs
     # eagerly here, one graph break before the module; ``traced`` says whether the forward
-    # around it is being compiled (Note [hooks inside compiled modules]).
-    @torch.compiler.disable
+    # around it is being compiled (Note [hooks inside compiled modules]). Under
+    # ``fullgraph=True`` that break is an error; the reason dynamo prints with it says the way
+    # that compiles whole (torch's own DDP fails there too, unless its Python reducer is chosen).
+    @torch.compiler.disable(reason=_BOOKKEEPING_RUNS_EAGERLY)
     def _before_forward(self, traced: bool) -> bool:
         """Everything a forward does before the module runs; True when a join context is
         active and the module must run through :func:`_join.run_module`."""

@@ -7,6 +7,12 @@ seed is in every assertion message):
   refused naming the missing parameters (they were all refused) -- before any backward too, ahead
   of the reliability guard's "step() before any backward" (Note [a sharded optimizer's refusals
   before the step hooks] in fusedist/zero/step_refusals.py);
+* stage 2 over a subset completed later trains as torch's AdamW: over the parameters left
+  trainable after part of the wrapped model was frozen (its step was refused, naming no parameter:
+  "missing: []"), and with the rest added between a backward and its step (that backward's
+  gradients were dropped); where it cannot complete, the refusal names the frozen parameters or the
+  no_sync backward; torch's ``hook_with_zero_step`` given this optimizer is refused naming what to
+  use (a bare ``AttributeError: _overlap_with_ddp``);
 * ``state_dict()["state"]`` before ``consolidate_state_dict`` raises a clear error (a KeyError and
   a RuntimeError) saying to consolidate, where torch raises a RuntimeError (it was a bare
   ``KeyError: 'state'``); the shard still saves and loads (``torch.load(weights_only=True)`` too,
@@ -107,6 +113,90 @@ def _subsets(rank, world, seed):
     return out
 
 
+def _frozen_after_wrap(rank, world, seed):
+    """Stage 2 over a subset of a fusedist DDP model completed later, against torch's AdamW under
+    torch's DDP: over the parameters left trainable after the head was frozen on the wrapped model
+    (refused naming no parameter, "missing: []"), the head unfrozen and added with its own lr after
+    2 steps, also under a GradScaler (an overflow) with a clip; and the head's group added
+    between a backward and its step (that backward's gradients were dropped: nothing stepped).
+    Where it cannot complete (state made before, a no_sync backward) the refusal names the frozen
+    parameters / no_sync. torch's hook_with_zero_step given this optimizer: refused by name (a
+    bare AttributeError)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import fusedist
+
+    def train(model, opt, head, add_at, unfreeze=True, steps=4, scaler=None):
+        g = torch.Generator().manual_seed(seed * 10 + rank)
+        for step in range(steps):
+            if step == 2 and unfreeze:
+                head.requires_grad_(True)
+            x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+            if add_at == (step, "before"):
+                opt.add_param_group({"params": list(head.parameters()), "lr": 0.05})
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if scaler is None:
+                loss.backward()
+            else:  # an overflow in step 1; the clip binds (gradient norms ~0.5)
+                scaler.scale(loss * (float("inf") if step == 1 else 1.0)).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 0.05)
+            if add_at == (step, "after backward"):
+                opt.add_param_group({"params": list(head.parameters()), "lr": 0.05})
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+        return [p.detach().clone() for p in model.parameters()]
+
+    out = {}
+    theirs = TorchDDP(_net(seed), find_unused_parameters=True)
+    theirs.module[2].requires_grad_(False)
+    ref = train(theirs, torch.optim.AdamW(theirs.module[0].parameters(), lr=0.01), theirs.module[2], (2, "before"))
+    theirs = TorchDDP(_net(seed), find_unused_parameters=True)
+    theirs.module[2].requires_grad_(False)
+    scaled_ref = train(theirs, torch.optim.AdamW(theirs.module[0].parameters(), lr=0.01), theirs.module[2],
+                       (2, "before"), scaler=torch.amp.GradScaler("cpu", init_scale=4.0))
+    zero = fusedist.ZeroRedundancyOptimizer(theirs.module[0].parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+    out["hook_with_zero_step"] = raised(lambda: hook_with_zero_step(allreduce_hook, theirs, zero))
+    for how in ("trainable only", "frozen given too", "frozen before wrap", "optim read first", "scaler and clip"):
+        net = _net(seed)
+        if how == "frozen before wrap":
+            net[2].requires_grad_(False)
+        ours = fusedist.DistributedDataParallel(net)
+        net[2].requires_grad_(False)
+        groups = [{"params": [p for p in ours.parameters() if p.requires_grad]}]
+        if how == "frozen given too":
+            groups.append({"params": list(net[2].parameters()), "lr": 0.05})
+        opt = fusedist.ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=0.01, stage=2)
+        if how == "optim read first":
+            opt.optim  # noqa: B018 - makes the state over the subset
+        scaler = fusedist.amp.GradScaler("cpu", init_scale=4.0) if how == "scaler and clip" else None
+        out[how] = raised(lambda: out.__setitem__(how + " diff", _diff(scaled_ref if scaler else ref, train(
+            ours, opt, net[2], None if how == "frozen given too" else (2, "before"), scaler=scaler))))
+
+    theirs = TorchDDP(_net(seed))
+    ref = train(theirs, torch.optim.AdamW(theirs.module[0].parameters(), lr=0.01), theirs.module[2],
+                (0, "after backward"), unfreeze=False, steps=3)
+    ours = fusedist.DistributedDataParallel(_net(seed))
+    opt = fusedist.ZeroRedundancyOptimizer(ours.module[0].parameters(), optimizer_class=torch.optim.AdamW, lr=0.01,
+                                           stage=2)
+    out["added after backward"] = _diff(ref, train(ours, opt, ours.module[2], (0, "after backward"), unfreeze=False,
+                                                   steps=3))
+    ours = fusedist.DistributedDataParallel(_net(seed))
+    opt = fusedist.ZeroRedundancyOptimizer(ours.module[0].parameters(), optimizer_class=torch.optim.AdamW, lr=0.01,
+                                           stage=2)
+    with ours.no_sync():
+        ours(torch.randn(2, 5)).sum().backward()
+    out["added after no_sync"] = raised(lambda: opt.add_param_group({"params": list(ours.module[2].parameters())}))
+    out["groups after no_sync"] = len(opt.param_groups)
+    return out
+
+
 def _unconsolidated_and_copies(rank, world, seed):
     """state_dict()["state"] before consolidation; copies refused; the original trains on."""
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
@@ -187,11 +277,12 @@ def _adam_family_and_destination(rank, world, seed):
     out["AdamW into Adam(decoupled) steps"] = _diff(ref, _losses_step(decoupled, [adam], rank, seed + 1, steps=2))
     back = [None] * world
     torch.distributed.all_gather_object(back, adam.shard_state_dict())
-    again = fusedist.ZeroRedundancyOptimizer(fusedist.DistributedDataParallel(_net(seed)).parameters(),
-                                             optimizer_class=torch.optim.AdamW, **hyper)
+    # (the models held: an optimizer follows a DDP model while it lives, and a dropped wrapper lives
+    # until the cyclic garbage collection, which comes at another time on each rank)
+    models_held = [fusedist.DistributedDataParallel(_net(seed)) for _ in range(2)]
+    again = fusedist.ZeroRedundancyOptimizer(models_held[0].parameters(), optimizer_class=torch.optim.AdamW, **hyper)
     out["Adam(decoupled) into AdamW"] = raised(lambda: again.load_state_dict(back))
-    l2 = fusedist.ZeroRedundancyOptimizer(fusedist.DistributedDataParallel(_net(seed)).parameters(),
-                                          optimizer_class=torch.optim.Adam, **hyper)
+    l2 = fusedist.ZeroRedundancyOptimizer(models_held[1].parameters(), optimizer_class=torch.optim.Adam, **hyper)
     out["AdamW into Adam(L2)"] = raised(lambda: l2.load_state_dict(shards))
 
     before = model.comm.last_seq if hasattr(model.comm, "last_seq") else None
@@ -272,6 +363,8 @@ def _flagged_grads(rank, world, seed):
 BY_TEST = {
     "test_subsets_of_a_ddp_model_train_as_torch_and_stage2_is_refused": {
         "subsets": (_subsets, ())},
+    "test_stage2_completed_after_a_freeze_or_a_backward_trains_as_torch": {
+        "frozen after wrap": (_frozen_after_wrap, ())},
     "test_unconsolidated_state_and_copies_refused_clearly": {
         "unconsolidated": (_unconsolidated_and_copies, ())},
     "test_adam_family_loads_across_and_bad_destination_refused_first": {
@@ -297,6 +390,26 @@ def test_subsets_of_a_ddp_model_train_as_torch_and_stage2_is_refused(launched):
         assert out["stage 2"].startswith("RuntimeError: ZeroRedundancyOptimizer(stage=2) (rank"), where
         assert "subset" in out["stage 2"] and "'0.weight'" in out["stage 2"], where
         assert out["stage 2 before backward"] == out["stage 2"], where
+
+
+def test_stage2_completed_after_a_freeze_or_a_backward_trains_as_torch(launched):
+    seed, results = launched
+    for rank, out in enumerate(results_of(results, "frozen after wrap")):
+        where = f"seed {seed}, rank {rank}: {out}"
+        for how in ("trainable only", "frozen given too", "frozen before wrap", "scaler and clip"):
+            assert out[how] == "no error" and out[how + " diff"] <= TOL, where
+        assert out["added after backward"] <= TOL, where
+        refused = out["optim read first"]
+        assert refused.startswith(f"RuntimeError: ZeroRedundancyOptimizer(stage=2) (rank {rank})"), where
+        assert "['2.weight', '2.bias'] were frozen after the model was wrapped" in refused, where
+        assert "freeze them before wrapping the model" in refused, where
+        no_sync = out["added after no_sync"]
+        assert no_sync.startswith(f"ValueError: ZeroRedundancyOptimizer(stage=2).add_param_group (rank {rank})"), where
+        assert "the last backward ran under no_sync" in no_sync and out["groups after no_sync"] == 1, where
+        hook = out["hook_with_zero_step"]
+        assert hook.startswith(f"TorchZeroHookRefusal: fusedist.ZeroRedundancyOptimizer (rank {rank}) does not run in "
+                               "torch's hook_with_zero_step"), where
+        assert "stage=2 with a fusedist DistributedDataParallel" in hook, where
 
 
 def test_unconsolidated_state_and_copies_refused_clearly(launched):

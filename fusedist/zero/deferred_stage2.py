@@ -15,6 +15,26 @@ Note [stage 2 completed by add_param_group]
     along the buckets once, when there is no optimizer state yet: a group that would complete the
     set after a step or a load (which created the state over the subset) is refused, on every
     rank, before it is added.
+
+    A group added between a backward and its step (``loss.backward()``, then the head's group,
+    then ``step()``) completes the set while the model's averaged gradients sit in ``p.grad``;
+    installing the reduce-scatter releases them, and the step found no gradient and stepped
+    nothing, where torch's steps every parameter of the optimizer with them. They are carried
+    into the new gradient shards (this rank's slices of the averages, as the reduce-scatter
+    would have left them). A no_sync backward's gradients are this rank's own, not averaged yet:
+    a group completing the set after one is refused, on every rank, before it is added.
+
+    A subset also arises where parameters were frozen after the model was wrapped and the
+    optimizer was given only the trainable ones (``[p for p in model.parameters() if
+    p.requires_grad]``): the model still reduced them when the optimizer was built, and stops at
+    its next backward (Note [trainable set changes] in ``fusedist/ddp/trainable.py``), after which
+    nothing is missing any more but stage 2 was never installed: ``step()`` refused, naming no
+    parameter ("missing: []"), where torch's optimizers train. The first reader of the gradients
+    (the step, the scaler's unscale or check, a clip) now completes stage 2 there, as
+    ``add_param_group`` does, with that backward's gradients carried into the shards;
+    where it cannot (the optimizer state exists already, a no_sync backward) it names the
+    parameters frozen since the wrap and the ways out: give them to the optimizer while frozen
+    (kept unstepped, trained once unfrozen), or freeze them before wrapping the model.
 """
 
 from __future__ import annotations
@@ -32,6 +52,15 @@ class PendingStage2:
     ddp: Any  # the fusedist DistributedDataParallel model the parameters belong to
     max_buckets_in_flight: Optional[int]
     overlap_param_gather: bool
+    # names of the model's reduced parameters the optimizer was not given that were frozen then
+    frozen_since_wrap: list = dataclasses.field(default_factory=list)
+
+
+def record_pending(ddp, held: list, max_buckets_in_flight: Optional[int], overlap_param_gather: bool) -> PendingStage2:
+    """The constructor's record of stage 2 over a subset ``held`` of ``ddp``'s parameters."""
+    held_set = set(held)
+    frozen = [n for p, n in zip(ddp.reducer.params, ddp.reducer.names) if p not in held_set and not p.requires_grad]
+    return PendingStage2(ddp, max_buckets_in_flight, overlap_param_gather, frozen)
 
 
 def _missing(zero, pending: PendingStage2, extra=()) -> list:
@@ -42,11 +71,24 @@ def _missing(zero, pending: PendingStage2, extra=()) -> list:
 
 
 def check_complete(zero) -> None:
-    """``step()``: refuse while the stage-2 optimizer still misses some of its model's parameters."""
+    """``step()``: refuse while the stage-2 optimizer still misses some of its model's parameters;
+    complete it where it misses none any more (the model dropped parameters frozen since the wrap)."""
     pending = zero._stage2_pending
     if pending is None:
         return
+    if complete_settled(zero):
+        return
     missing = _missing(zero, pending)
+    frozen = [n for n in pending.frozen_since_wrap if n not in missing]
+    if frozen:
+        raise RuntimeError(
+            f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): the optimizer was built over a subset of its DDP "
+            f"model's parameters: {frozen[:10]} were frozen after the model was wrapped and not given to the "
+            "optimizer" + (f" (nor {missing[:10]})" if missing else "") + "; stage 2 cuts its shards along the "
+            "model's gradient buckets, which held them then. Give the optimizer those parameters too, while they "
+            "are frozen (e.g. a param group of their own: they are kept unstepped and train once unfrozen), or "
+            "freeze them before wrapping the model and add them with add_param_group once unfrozen; stage=1 "
+            "takes the subset as it is")
     raise RuntimeError(
         f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): the optimizer holds a subset of its DDP model's "
         f"trainable parameters (missing: {missing[:10]}); stage 2 reduce-scatters the model's gradient buckets into "
@@ -56,11 +98,30 @@ def check_complete(zero) -> None:
         "of one model use stage=1 (DDP all-reduces, each optimizer shards its own parameters)")
 
 
+def complete_settled(zero) -> bool:
+    """Complete stage 2 where the optimizer misses none of its model's parameters any more (the
+    model stopped reducing parameters frozen since the wrap) and it can (Note [stage 2 completed by
+    add_param_group]); called first by whatever reads the gradients (the step, the scaler, a clip)."""
+    pending = zero._stage2_pending
+    if pending is None or _missing(zero, pending) or refusal_to_complete(zero, []) is not None:
+        return False
+    return complete_if_whole(zero)
+
+
 def refusal_to_complete(zero, new: list) -> Optional[ValueError]:
     """The refusal of a group that completes the set when the optimizer state exists already
     (Note [stage 2 completed by add_param_group]), or None."""
     pending = zero._stage2_pending
-    if pending is None or _missing(zero, pending, new) or zero.inner is None:
+    if pending is None or _missing(zero, pending, new):
+        return None
+    reducer = pending.ddp.reducer
+    if reducer.generation != reducer.synced_generation:
+        return ValueError(
+            f"ZeroRedundancyOptimizer(stage=2).add_param_group (rank {zero.rank}): this group completes the DDP "
+            "model's parameters, and stage 2 then reduce-scatters the model's gradient buckets, but the last "
+            "backward ran under no_sync: its gradients are this rank's own, not averaged yet, and cannot be "
+            "carried into the shards. Add the group before that backward, or after a synchronized one")
+    if zero.inner is None:
         return None
     return ValueError(
         f"ZeroRedundancyOptimizer(stage=2).add_param_group (rank {zero.rank}): this group completes the DDP "
@@ -77,6 +138,7 @@ def complete_if_whole(zero) -> bool:
     if pending is None or _missing(zero, pending):
         return False
     ddp = pending.ddp
+    held = {i: p.grad.detach().clone() for i, p in enumerate(zero._params) if p.grad is not None}
     ddp.reducer.fix_layout()  # (the constructor's wiring.connect, for a whole model)
     zero._stage2_pending = None
     zero.ddp = ddp
@@ -86,4 +148,23 @@ def complete_if_whole(zero) -> bool:
     wiring.listen_to_layout(zero)
     wiring.install_stage2(zero, pending.max_buckets_in_flight)
     zero._sharded_state.invalidate()
+    _carry_gradients(zero, held)
     return True
+
+
+def _carry_gradients(zero, held: dict) -> None:
+    """The averaged gradients of a backward before the group was added (index -> a copy of its
+    ``p.grad``) into this rank's new gradient shards (Note [stage 2 completed by add_param_group])."""
+    if not held:
+        return
+    from ..ddp.layout import flat_like
+
+    part = zero._partition
+    for index, grad in held.items():
+        entry = part.entry_of.get(index)
+        if entry is not None:
+            shard = zero._grad_shards[entry.dtype]
+            shard[entry.pos:entry.pos + entry.numel].copy_(flat_like(grad, zero._params[index])[entry.lo:entry.hi])
+    trainable = set(zero._trainable)
+    zero._stage2_with_grad = {index for index in held if index in trainable}
+    zero._grads_present = True

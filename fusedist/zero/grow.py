@@ -122,6 +122,7 @@ def join_pending(zero, compare: bool = False, force: bool = False) -> None:
     nothing joins until the next step. Without ``compare``, where the ranks compare, nothing joins:
     the comparison point does (Note [parameters join after the comparison]).
     ``force``: join and compare whatever was compared before (``add_param_group``)."""
+    deferred_stage2.complete_settled(zero)  # Note [stage 2 completed by add_param_group]: then zero.ddp is set
     if zero.ddp is not None:
         return  # DDP's layout listener (on_layout_change) took them on when DDP appended them
     if zero._sharded_compared and not force:

@@ -199,8 +199,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self.ddp, self.comm, self.process_group, subset_refusal, subset_of = wiring.connect(
             self._trainable_params(), self._params, process_group, self._device)
         # Note [stage 2 completed by add_param_group] in deferred_stage2.py
-        self._stage2_pending = None if stage != 2 or subset_of is None else deferred_stage2.PendingStage2(
-            subset_of, max_buckets_in_flight, overlap_param_gather)
+        self._stage2_pending = None if stage != 2 or subset_of is None else deferred_stage2.record_pending(
+            subset_of, self._params, max_buckets_in_flight, overlap_param_gather)
         self.rank = self.comm.rank if self.comm is not None else 0
         self.world_size = self.comm.world_size if self.comm is not None else 1
         self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
@@ -252,6 +252,13 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         hyperparameters, as torch's does). Made at the first step; read earlier, from the current parameters."""
         self._ensure_state()
         return self.inner
+
+    @property
+    def _overlap_with_ddp(self) -> bool:
+        """Read by torch's ``hook_with_zero_step`` / ``hook_with_zero_step_interleaved`` first:
+        they drive torch's optimizer internals, which this one has not (it failed with a bare
+        AttributeError); refused naming what overlaps the step with backward here."""
+        raise param_checks.torch_zero_hook_refusal(self.rank)
 
     # ------------------------------------------------------------------ construction
     # Note [a sharded optimizer's groups in its inner optimizer's keys]

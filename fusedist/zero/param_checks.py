@@ -68,6 +68,22 @@ def check_arguments(stage, offload, max_buckets_in_flight, overlap_with_ddp) -> 
         raise ValueError(f"ZeroRedundancyOptimizer: offload must be None or 'cpu', got {offload!r}")
 
 
+class TorchZeroHookRefusal(ValueError, AttributeError):
+    """Raised by the ``_overlap_with_ddp`` attribute torch's ZeRO hooks read: an AttributeError too,
+    so ``hasattr`` and introspection (``inspect.getmembers``) read the attribute as absent."""
+
+
+def torch_zero_hook_refusal(rank: int) -> ValueError:
+    """The error for torch's DDP communication hooks that step torch's ZeroRedundancyOptimizer
+    (``hook_with_zero_step``): they need its ``overlap_with_ddp`` internals."""
+    return TorchZeroHookRefusal(
+        f"fusedist.ZeroRedundancyOptimizer (rank {rank}) does not run in torch's hook_with_zero_step / "
+        "hook_with_zero_step_interleaved (they step torch's ZeroRedundancyOptimizer built with "
+        "overlap_with_ddp=True). Leave the hook out and use stage=2 with a fusedist DistributedDataParallel "
+        "model: it reduce-scatters each gradient bucket during backward (overlap_param_gather=True also "
+        "overlaps the parameter all-gather with the next forward)")
+
+
 def own_refusal(zero, groups=None, params=None, first: int = 0, op: str = "ZeroRedundancyOptimizer"):
     """This rank's refusal of its own arguments (Note [refusals of one rank's own arguments]), or
     None: ``params`` (default: the optimizer's), indexed from ``first``, and ``groups`` (default:

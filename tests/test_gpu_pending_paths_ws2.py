@@ -49,6 +49,25 @@ tier. The one-process ones: tests/test_gpu_pending_paths.py.
   default, ``foreach=True`` (with torch's clip, ``foreach=True``) and ``fused=True`` over the
   pieces: the default takes the foreach implementation as over plain CUDA tensors, and three steps
   give FSDP2's weights (``full_tensor()``) within ``rtol=1e-5, atol=1e-6`` under the same settings.
+* **torch's GradScaler under fusedist's checked DDP** (Note [torch's GradScaler in the step check] in
+  fusedist/reliability/scale_check.py): ``_unscale_grads_`` is replaced once the model is built and notes
+  the scale only where it lives on the host: ``scaler.step`` + ``scaler.update`` make no synchronizing call
+  more than under torch's DDP (torch's sync debug mode); weights and scales as torch DDP + torch GradScaler.
+* **A ZeroRedundancyOptimizer's own clip counted** (Note [a clip on some ranks only] in
+  fusedist/reliability/clip_check.py): ``clip_grad_norm_`` to a float and to a 0-dim CUDA tensor, stages 1
+  and 2: ``count_clip`` makes no synchronizing call, the tensor clip none more than the float one; norms and
+  weights as torch's clip + AdamW under torch DDP.
+* **``model.apply(init_fn)`` on a fully_shard model** (Note [apply on a sharded model] in
+  fusedist/fsdp/module_apply.py): from the same CUDA RNG state, the unsharded model's init bit for bit, the
+  RNG left where that init left it; FSDP2's result printed for the record.
+* **NF4 ``to_local()`` on CUDA** (Note [extension pieces read as DTensors] in fusedist/fsdp/extension_names.py):
+  a new torchao tensor as FSDP2's, the frozen weight left frozen (skipped, saying so, without torchao's NF4).
+* **DDP's ``device_ids`` / ``output_device`` on a CUDA module** (fusedist/ddp/arguments.py): each set
+  built or refused as torch's DDP builds or refuses it.
+* **A stage whose part ended in a failed step, put back on CUDA** (Note [a stage that ended in a step that
+  raised] in fusedist/_pipeline_step_failures.py), in the pipeline launch: two stages on the rank, pp 1 x dp 2;
+  a plain stage's gradients and buffer are put back (the unpipelined model's gradients, ``1e-6``), a
+  fully_shard stage refuses the next step.
 * **Pipeline failures with several stages per rank over NCCL, own launch** (Note [a failure told
   at the step's end, several stages per rank] in fusedist/_pipeline_schedule_step.py, Note [a
   failure told at the step's end] in fusedist/_pipeline_step_status.py): two stages per rank
@@ -334,8 +353,208 @@ def _foreach_pieces(rank, world_size, device, seed):
     return out
 
 
-SECTIONS = {"zero_offload_complex": _zero_offload_complex, "full_tensor": _full_tensor,
-            "zero_verdict_on_device": _zero_verdict_on_device, "foreach_pieces": _foreach_pieces}
+def _syncs_on(device, call):
+    """``call()``'s result and its synchronizing CUDA calls, as torch's sync debug mode reports them; the
+    mode is put back as found, so a count inside another adds to it (none counted on a CPU device)."""
+    import warnings
+
+    if device.type != "cuda":
+        return call(), 0
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = call()
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    return result, sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+
+
+def _torch_scaler_under_ddp(rank, world_size, device, seed):
+    """fusedist's DDP (checked) and torch DDP, each with torch's ``GradScaler`` and torch's AdamW, an inf at
+    step 1: per step the synchronizing calls of ``scaler.step`` + ``scaler.update`` and the scales; the
+    weights' largest difference; whether ``_unscale_grads_`` was replaced once the checked model was built."""
+    import fusedist
+    from fusedist.amp import torch_scaler
+
+    before = torch_scaler.installed()  # (first section of the launch: no checked model built before it)
+    torch.manual_seed(seed)
+    base = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(device)
+    runs = {}
+    for name, wrap in (("torch", nn.parallel.DistributedDataParallel), ("ours", fusedist.DistributedDataParallel)):
+        model = wrap(copy.deepcopy(base), **_ddp_kw(device))
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=0.01),
+                      torch.amp.GradScaler(device.type, init_scale=2.0 ** 8, growth_interval=2))
+    replaced = (before, torch_scaler.installed())
+    gen = torch.Generator().manual_seed(seed + 1 + rank)
+    syncs, scales = {name: [] for name in runs}, []
+    for step in range(4):
+        x, y = torch.randn(5, 6, generator=gen).to(device), torch.randn(5, 3, generator=gen).to(device)
+        for name, (model, opt, scaler) in runs.items():
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y) * (float("inf") if step == 1 else 1.0)
+            scaler.scale(loss).backward()
+            syncs[name].append(_syncs_on(device, lambda: (scaler.step(opt), scaler.update()))[1])
+        scales.append(tuple(scaler.get_scale() for _, _, scaler in runs.values()))
+    diff = max(float((p.detach() - q.detach()).abs().max())
+               for p, q in zip(runs["ours"][0].parameters(), runs["torch"][0].parameters()))
+    return dict(replaced=replaced, syncs=syncs, scales=scales, diff=diff)
+
+
+def _zero_clip_max_norms(rank, world_size, device, seed):
+    """ZeRO stages 1 and 2 over fusedist's DDP, ``clip_grad_norm_`` to a float and to a 0-dim tensor on the
+    device, against torch DDP + torch's clip + AdamW: per case the synchronizing calls of the clip call and of
+    ``count_clip`` within it, the clips the model's watch counted, the norms and the weights' difference."""
+    import fusedist
+    import fusedist.zero.scaling as scaling
+    from fusedist.ownership import watch_of
+
+    counted = []
+    real_count = scaling.count_clip
+
+    def count_clip(params, max_norm):
+        counted.append(_syncs_on(device, lambda: real_count(params, max_norm))[1])
+
+    torch.manual_seed(seed)
+    base = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(device)
+    out = {}
+    scaling.count_clip = count_clip
+    try:
+        for stage in (1, 2):
+            for kind in ("float", "tensor"):
+                max_norm = 0.05 if kind == "float" else torch.tensor(0.05, device=device)
+                ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **_ddp_kw(device))
+                ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+                model = fusedist.DistributedDataParallel(copy.deepcopy(base), **_ddp_kw(device))
+                opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=0.01)
+                gen = torch.Generator().manual_seed(seed + 1 + rank)
+                row = out[stage, kind] = {"syncs": [], "norms": [], "count_syncs": [], "clips": []}
+                for _ in range(3):
+                    x, y = torch.randn(5, 6, generator=gen).to(device), torch.randn(5, 3, generator=gen).to(device)
+                    for m, o in ((ref, ref_opt), (model, opt)):
+                        o.zero_grad()
+                        nn.functional.mse_loss(m(x), y).backward()
+                    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+                    ref_opt.step()
+                    del counted[:]
+                    watch = watch_of(next(model.parameters()))[1]
+                    clips = watch.clips
+                    got, n = _syncs_on(device, lambda: opt.clip_grad_norm_(max_norm))
+                    row["clips"].append(watch.clips - clips)
+                    row["syncs"].append(n)
+                    row["count_syncs"].append(list(counted))
+                    row["norms"].append((float(got), float(want)))
+                    opt.step()
+                if hasattr(opt, "wait_for_params"):
+                    opt.wait_for_params()
+                row["diff"] = max(float((p.detach() - q.detach()).abs().max())
+                                  for p, q in zip(model.parameters(), ref.parameters()))
+    finally:
+        scaling.count_clip = real_count
+    return out
+
+
+def _apply_init(rank, world_size, device, seed):
+    """``model.apply(init_fn)`` drawing from the device's RNG: the unsharded model's, fusedist's fully_shard
+    model's and torch FSDP2's from the same RNG state. Whether ours equals the unsharded init (every entry,
+    bit for bit) and leaves the RNG where it left it; FSDP2's equality, for the record."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fusedist
+
+    def init_fn(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.5)
+            if m.bias is not None:
+                nn.init.uniform_(m.bias, -1.0, 1.0)
+
+    def rng_state():
+        return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+    def set_rng(state):
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    torch.manual_seed(seed)
+    base = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Linear(3, 1)).to(device)
+    start = rng_state()
+    whole = copy.deepcopy(base).apply(init_fn)
+    after_whole = rng_state()
+    want = {k: v.detach().clone() for k, v in whole.state_dict().items()}
+    out = {}
+    for name, shard in (("ours", fusedist.fully_shard), ("fsdp2", torch_fully_shard)):
+        m = copy.deepcopy(base)
+        for layer in (m[0], m[2]):
+            shard(layer, mesh=mesh)
+        shard(m, mesh=mesh)
+        set_rng(start)
+        m.apply(init_fn)
+        rng_same = torch.equal(rng_state(), after_whole)
+        got = {k: v.full_tensor().detach().clone() for k, v in m.state_dict().items()}
+        out[name] = dict(equal={k: torch.equal(got[k], v) for k, v in want.items()}, rng_same=rng_same,
+                         diff=max(float((got[k] - v).abs().max()) for k, v in want.items()))
+    out["moved"] = max(float((want[k] - v).abs().max()) for k, v in base.state_dict().items())
+    return out
+
+
+def _nf4_to_local(rank, world_size, device, seed):
+    """An NF4 base weight (torchao's NF4Tensor, frozen) and a bias on the device, under fusedist's fully_shard
+    and FSDP2: what FSDP2 code reads of each parameter (tests/test_fully_shard_extension.py's reader, tensors
+    brought to the host), including whether ``to_local()`` is the parameter and whether ``requires_grad_()`` on
+    it unfroze the weight. ``{"skipped": why}`` where torchao's NF4 does not import."""
+    try:
+        from test_fully_shard_extension import _names_read, _NF4Linear
+    except ImportError as exc:
+        return {"skipped": f"torchao's NF4 is not importable: {exc}"}
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import fusedist
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    torch.manual_seed(seed)
+    base = _NF4Linear(128, 256).to(device)  # (torchao's block sizes: rows that divide evenly)
+    out = {}
+    for name, shard in (("ours", fusedist.fully_shard), ("fsdp2", torch_fully_shard)):
+        m = copy.deepcopy(base)
+        shard(m, mesh=mesh)
+        read = _names_read(m)
+        out[name] = {k: tuple(v.cpu() if isinstance(v, torch.Tensor) else v for v in entry)
+                     for k, entry in read.items()}
+        out[name + " devices"] = sorted({p.device.type for p in m.parameters()})
+    return out
+
+
+def _ddp_device_arguments(rank, world_size, device, seed):
+    """``device_ids`` / ``output_device`` as torch's DDP reads them for a module on the device (``[]`` read as
+    None, ``output_device`` without ``device_ids`` refused unless falsy): per argument set, what fusedist's DDP
+    and torch's raised at construction (None: built)."""
+    import fusedist
+
+    idx = device.index if device.type == "cuda" else None
+    cases = {"device_ids=[]": dict(device_ids=[]), "output_device=1": dict(output_device=1),
+             "output_device=0": dict(output_device=0),
+             "device_ids, output_device": dict(device_ids=None if idx is None else [idx], output_device=idx)}
+    torch.manual_seed(seed)
+    base = nn.Linear(4, 3).to(device)
+    out = {}
+    for label, kw in cases.items():
+        out[label] = {name: (lambda r: r and r.split(":")[0])(_raised(lambda: wrap(copy.deepcopy(base), **kw)))
+                      for name, wrap in (("torch", nn.parallel.DistributedDataParallel),
+                                         ("ours", fusedist.DistributedDataParallel))}
+    return out
+
+
+SECTIONS = {"torch_scaler_under_ddp": _torch_scaler_under_ddp,  # (first: it sees the replacement installed)
+            "zero_offload_complex": _zero_offload_complex, "full_tensor": _full_tensor,
+            "zero_verdict_on_device": _zero_verdict_on_device, "foreach_pieces": _foreach_pieces,
+            "zero_clip_max_norms": _zero_clip_max_norms, "apply_init": _apply_init, "nf4_to_local": _nf4_to_local,
+            "ddp_device_arguments": _ddp_device_arguments}
 
 
 def _sections(rank, world_size, seed):
@@ -391,6 +610,87 @@ def test_full_tensor_of_entries_over_nccl_is_the_unsharded_parameter(launched):
         assert out["moved"] > 1e-4, where  # the step changed the weights: the second reads are not the first
         for k, (ours, theirs) in out["fsdp2_after"].items():
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{where}, {k}: {m}")
+
+
+def test_torch_grad_scaler_under_fusedist_ddp_reads_no_scale_on_the_host_and_steps_as_torch(launched):
+    """torch's GradScaler under fusedist's checked DDP: its ``_unscale_grads_`` is replaced once the model is
+    built, and the replacement notes the scale only where it lives on the host (Note [torch's GradScaler in the
+    step check] in fusedist/reliability/scale_check.py): a CUDA scale is never read, so ``scaler.step`` +
+    ``scaler.update`` make no synchronizing call more than under torch's DDP. The weights and scales follow
+    torch DDP + torch GradScaler (the inf step skipped and the scale halved alike; fp32, the same sums: 1e-6)."""
+    seed, per_rank = _section(launched, "torch_scaler_under_ddp")
+    for rank, r in enumerate(per_rank):
+        where = f"seed {seed}, rank {rank}: {r}"
+        assert r["replaced"][1], where
+        assert all(a <= b for a, b in zip(r["syncs"]["ours"], r["syncs"]["torch"])), where
+        assert all(a == b for a, b in r["scales"]) and r["scales"][1][0] < 2.0 ** 8, where
+        assert r["diff"] < 1e-6, where
+
+
+def test_zero_clip_to_a_float_or_a_device_tensor_adds_no_sync_and_clips_as_torch(launched):
+    """A ZeroRedundancyOptimizer's own ``clip_grad_norm_`` counts the clip for the per-step check first
+    (Note [a clip on some ranks only] in fusedist/reliability/clip_check.py): ``count_clip`` compares a float
+    ``max_norm`` with inf and never reads a 0-dim CUDA tensor's value, so it makes no synchronizing call
+    either way, and the tensor clip none more than the float one. Each call is counted once on the model's
+    watch; norms and weights follow torch's clip + AdamW under torch DDP (fp32: 1e-5 after three clipped steps)."""
+    seed, per_rank = _section(launched, "zero_clip_max_norms")
+    for rank, out in enumerate(per_rank):
+        assert sorted(out) == [(1, "float"), (1, "tensor"), (2, "float"), (2, "tensor")], out
+        for (stage, kind), r in out.items():
+            where = f"seed {seed}, rank {rank}, stage {stage}, max_norm {kind}: {r}"
+            assert r["count_syncs"] == [[0]] * 3 and r["clips"] == [1] * 3, where
+            assert all(abs(a - b) <= 1e-5 * b for a, b in r["norms"]) and r["norms"][0][1] > 0.05, where
+            assert r["diff"] < 1e-5, where
+        for stage in (1, 2):
+            tensor, plain = out[stage, "tensor"]["syncs"], out[stage, "float"]["syncs"]
+            assert all(a <= b for a, b in zip(tensor, plain)), (seed, rank, stage, tensor, plain)
+
+
+def test_apply_on_a_fully_shard_model_initializes_as_the_unsharded_model_from_the_device_rng(launched):
+    """Note [apply on a sharded model] (fusedist/fsdp/module_apply.py): ``model.apply(init_fn)`` drawing from
+    the device's RNG gives every entry of the unsharded model's ``apply(init_fn)`` from the same RNG state, bit
+    for bit, and leaves the RNG where the unsharded init left it. torch's FSDP2 (each shard drawing its part of
+    the stream on a GPU) is printed for the record, not asserted."""
+    seed, per_rank = _section(launched, "apply_init")
+    for rank, out in enumerate(per_rank):
+        where = f"seed {seed}, rank {rank}: {out}"
+        print(f"rank {rank}: FSDP2's apply(init_fn) equal to the unsharded init: {out['fsdp2']}")
+        assert out["moved"] > 0.1, where  # the init changed the weights: equality is not the copy's
+        assert all(out["ours"]["equal"].values()) and out["ours"]["rng_same"], where
+
+
+def test_nf4_to_local_on_cuda_is_a_new_torchao_tensor_as_fsdp2s(launched):
+    """Note [extension pieces read as DTensors] (fusedist/fsdp/extension_names.py): an NF4 weight's
+    ``to_local()`` on CUDA is a new torchao tensor over the piece's codes (``view_as``), as FSDP2's: not the
+    parameter, no ``full_tensor``, and ``requires_grad_()`` on it leaves the frozen weight frozen; its class,
+    shape and dequantized values, and the whole weight's, are FSDP2's (exactly: the same codes)."""
+    seed, per_rank = _section(launched, "nf4_to_local")
+    if "skipped" in per_rank[0]:
+        pytest.skip(per_rank[0]["skipped"])
+    for rank, out in enumerate(per_rank):
+        where = f"seed {seed}, rank {rank}"
+        assert out["ours devices"] == out["fsdp2 devices"] == [_device(rank).type], (where, out)
+        assert sorted(out["ours"]) == sorted(out["fsdp2"]) == ["bias", "weight"], (where, sorted(out["ours"]))
+        for name, theirs in out["fsdp2"].items():
+            mine = out["ours"][name]
+            assert mine[:3] == theirs[:3] and mine[4:6] == theirs[4:6] and mine[7] == theirs[7], (where, name, mine)
+            torch.testing.assert_close(mine[3], theirs[3], rtol=0, atol=0, msg=lambda m, n=name: f"{where}, {n}: {m}")
+            torch.testing.assert_close(mine[6], theirs[6], rtol=0, atol=0, msg=lambda m, n=name: f"{where}, {n}: {m}")
+        assert out["ours"]["weight"][4] == "NF4Tensor" and out["ours"]["weight"][7] == (False, False, False), \
+            (where, out["ours"]["weight"][4:])
+
+
+def test_ddp_device_ids_and_output_device_on_cuda_read_as_torchs_ddp(launched):
+    """fusedist/ddp/arguments.py's ``check_device_ids`` on a CUDA module: ``device_ids=[]`` builds as None
+    does, ``output_device`` without ``device_ids`` is refused as torch refuses it (``output_device=0``, falsy,
+    passes in both), ``device_ids=[i], output_device=i`` builds: the outcome of each is torch DDP's."""
+    seed, per_rank = _section(launched, "ddp_device_arguments")
+    for rank, out in enumerate(per_rank):
+        assert len(out) == 4, out
+        for label, r in out.items():
+            assert r["ours"] == r["torch"], (seed, rank, label, r)
+        if _device(rank).type == "cuda":
+            assert out["output_device=1"]["ours"] == "ValueError" and out["device_ids=[]"]["ours"] is None, out
 
 
 # ------------------------------------------------------------------ divergence probe, own launch
@@ -595,10 +895,65 @@ def _pipeline_buffers_put_back(rank, world_size, seed):
                 devices=sorted({b.device.type for b in model.buffers()}))
 
 
+def _pipeline_ended_stage(rank, world_size, seed):
+    """pp 1 x dp 2 on CUDA, two stages on the rank (interleaved 1F1B), the same batches on both ranks: a good
+    step, then (accumulating) a step whose stage 0 raises in its backward of the last micro-batch, after stage
+    1's part of the step ended, then a good step. Stage 1 plain or fusedist's fully_shard: what the failed and
+    the next step raised; a plain stage's gradients' largest difference from the unpipelined model's on the
+    good batches and its forwards counted by a device buffer; whether a sharded one's were left as they were."""
+    from test_pipeline_step_failures import MICRO_BATCHES, WIDTH, _breaking_at, _count_forward, _model, _mse
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fusedist
+    from fusedist.pipelining import PipelineStage
+
+    device = _device(rank)
+    mesh = init_device_mesh(device.type, (1, world_size), mesh_dim_names=("pp", "dp"))
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(8, WIDTH, generator=g).to(device), torch.randn(8, WIDTH, generator=g).to(device))
+               for _ in range(3)]
+    out = {}
+    for kind in ("plain", "fully_shard"):
+        model = _model(seed).to(device)
+        if kind == "plain":  # a buffer each forward of stage 1 updates (the failed step's are put back)
+            model[2].register_buffer("forwards", torch.zeros((), dtype=torch.int64, device=device))
+            model[2].register_forward_pre_hook(_count_forward)
+        last = model[2:] if kind == "plain" else fusedist.fully_shard(model[2:], mesh=mesh["dp"])
+        stages = [PipelineStage(m, i, 2, device, group=mesh["pp"].get_group()) for i, m in enumerate((model[:2], last))]
+        schedule = pipelining.ScheduleInterleaved1F1B(stages, n_microbatches=MICRO_BATCHES, loss_fn=_mse)
+        schedule.step(batches[0][0], target=batches[0][1])  # (its gradients kept: the failed step finds them)
+        breaking = model[0].weight.register_hook(_breaking_at(MICRO_BATCHES - 1))  # stage 0's last backward
+        failed = _raised(lambda: schedule.step(batches[1][0], target=batches[1][1]))
+        breaking.remove()
+        held = [None if p.grad is None else p.grad.clone() for p in model[2:].parameters()]
+        following = _raised(lambda: schedule.step(batches[2][0], target=batches[2][1]))
+        if kind == "plain":
+            whole = _model(seed).to(device)
+            for x, y in (batches[0], batches[2]):  # (equal micro-batches: the mean of their means)
+                _mse(whole(x), y).backward()
+            outcome = (max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(),
+                                                                                  whole.parameters())),
+                       int(model[2].forwards), model[2].forwards.device.type)
+        else:
+            outcome = all((a is None and p.grad is None) or (a is not None and torch.equal(a, p.grad))
+                          for a, p in zip(held, model[2:].parameters()))
+        out[kind] = (failed, following, outcome)
+    return out
+
+
 def _pipelines(rank, world_size, seed):
     torch.cuda.set_device(_device(rank))
     return {**_pipeline_several_stages(rank, world_size, seed), "buffers": _pipeline_buffers_put_back(
-        rank, world_size, seed)}
+        rank, world_size, seed), "ended": _or_traceback(lambda: _pipeline_ended_stage(rank, world_size, seed))}
+
+
+def _or_traceback(call):
+    """``call()``'s result, or ``{"error": its traceback}`` (the other cases of the launch still report)."""
+    try:
+        return call()
+    except Exception:  # noqa: BLE001 - the case's test reports it
+        return {"error": traceback.format_exc()}
 
 
 @pytest.fixture(scope="module")
@@ -639,3 +994,29 @@ def test_pipeline_failed_step_puts_back_cuda_buffers_from_host_snapshots(pipelin
         assert r["raised"][1] is not None and "the loss broke" in r["raised"][1], where
         assert r["devices"] == [_device(rank).type] and r["count"] == 4, where
         assert r["stats"] < 1e-6 and r["grads"] < 1e-6, where
+
+
+def test_pipeline_stage_that_ended_in_a_failed_step_is_put_back_on_cuda(pipelines):
+    """Note [a stage that ended in a step that raised] (fusedist/_pipeline_step_failures.py): two stages on the
+    rank on CUDA, stage 0 raising in its backward of the last micro-batch after stage 1's part of the step had
+    ended (its gradients reduced and divided). A plain stage 1 gets the good step's gradients back (set aside on
+    the device) and its forwards count (a CUDA buffer), and the next step gives the unpipelined model's
+    gradients of the two good batches (fp32, the same terms in another order: 1e-6); a fully_shard one refuses
+    the next step, naming why, and leaves its gradients as they were."""
+    from test_pipeline_step_failures import MICRO_BATCHES
+
+    seed, results = pipelines
+    for rank, res in enumerate(results):
+        assert "error" not in res["ended"], f"seed {seed}, rank {rank}:\n{res['ended'].get('error')}"
+        assert sorted(res["ended"]) == ["fully_shard", "plain"], (seed, rank, res["ended"])
+        for kind, (failed, following, outcome) in res["ended"].items():
+            where = f"seed {seed}, rank {rank}, {kind}: {failed}, {following}, {outcome}"
+            assert failed is not None and "stage backward" in failed, where  # (torch's words)
+            if kind == "plain":
+                assert following is None and outcome[0] < 1e-6, where
+                assert outcome[1:] == (2 * MICRO_BATCHES, _device(rank).type), where  # the good steps' forwards
+                continue
+            assert following is not None and "stage 1 (rank" in following, where
+            assert "raised at another stage of this rank after this stage's part of it had ended" in following \
+                and "cannot be put back" in following, where
+            assert outcome, where

@@ -358,13 +358,14 @@ def test_configs_not_counted_are_refused_naming_the_field(tmp_path, cfg, field):
 
 
 def test_the_plan_names_what_it_counted(tmp_path, capsys):
-    """The model line shows what changes the count: head size, biases, tied embeddings."""
+    """The model line shows what changes the count: head size, biases, tied embeddings, Gemma's norm
+    (its activations)."""
     from fusedist.plan import cli
 
     assert cli.main(["--hf-config", _write(tmp_path, GEMMA_2B), "--gpus", "8", "--seq", "4096"]) == 0
     line = capsys.readouterr().out.splitlines()[0]
     assert line == ("model: 2,506,172,416 parameters (2.51B), llama 18 layers, hidden 2048, 8 heads (1 kv) of 256, "
-                    "vocab 256000, tied; from hf-config (gemma)")
+                    "gemma norm, vocab 256000, tied; from hf-config (gemma)")
     assert cli.main(["--hf-config", _write(tmp_path, QWEN2_7B), "--gpus", "8", "--seq", "4096"]) == 0
     assert ", qkv bias, vocab 152064; from hf-config (qwen2)" in capsys.readouterr().out.splitlines()[0]
 

@@ -1,6 +1,8 @@
 """Which blocks a config's per-layer rules pick: Qwen2-MoE's sliding-window blocks (transformers 5's
 Qwen2MoeConfig default ``layer_types``, which Qwen2MoeAttention and the masks follow block by
-block) and DeepSeek's ``moe_layer_freq``, which transformers' DeepSeek classes ignore and the
+block), Qwen3-MoE's (every block: transformers 5's Qwen3MoeConfig has no ``layer_types`` nor
+``max_window_layers``, and Qwen3MoeAttention and Mixtral's masks take ``sliding_window`` for all)
+and DeepSeek's ``moe_layer_freq``, which transformers' DeepSeek classes ignore and the
 plan names when it is not 1 (Note [moe_layer_freq] in fusedist/plan/hf_config.py)."""
 
 import json
@@ -8,7 +10,7 @@ import json
 import pytest
 
 from fusedist.plan import cli, from_hf_config
-from test_plan_configs import DEEPSEEK_V3, QWEN15_MOE
+from test_plan_configs import DEEPSEEK_V3, QWEN3_30B_A3B, QWEN15_MOE
 
 
 def _write(tmp_path, cfg):
@@ -55,6 +57,42 @@ def test_qwen2_moe_windows_the_even_blocks_below_max_window_layers(tmp_path, cha
     given = ["sliding_attention"] * 2 + ["full_attention"] * (layers - 2)
     spec = from_hf_config(_write(tmp_path, {**cfg, "use_sliding_window": True, "layer_types": given}))
     assert spec.window_layers == (0, 1)
+
+
+def _qwen3_moe_windowed(layers, use_sliding_window=False):
+    """transformers 5: Qwen3MoeConfig nulls ``sliding_window`` without ``use_sliding_window``;
+    Qwen3MoeAttention hands ``config.sliding_window`` to its attention in every block and the
+    model (Mixtral's) builds one sliding-window mask for all of them when it is not null."""
+    return tuple(range(layers)) if use_sliding_window else ()
+
+
+# (config changes to Qwen3-30B-A3B's (48 layers), the windowed blocks as transformers 5 picks them)
+QWEN3_MOE_WINDOWS = [
+    ({}, ()),  # the released config: use_sliding_window false
+    ({"use_sliding_window": True}, tuple(range(48))),
+    ({"use_sliding_window": True, "max_window_layers": 40}, tuple(range(48))),  # not read (Qwen3's rule: 40..47)
+    ({"use_sliding_window": True, "max_window_layers": 0, "num_hidden_layers": 3}, (0, 1, 2)),
+    # not a Qwen3MoeConfig field: its attention and masks do not read it either
+    ({"use_sliding_window": True, "layer_types": ["full_attention"] * 48}, tuple(range(48))),
+    ({"use_sliding_window": False, "max_window_layers": 2}, ()),
+]
+
+
+@pytest.mark.parametrize("changes, windowed", QWEN3_MOE_WINDOWS)
+def test_qwen3_moe_windows_every_block(tmp_path, changes, windowed):
+    cfg = {**QWEN3_30B_A3B, "sliding_window": 4096, **changes}
+    use = cfg.get("use_sliding_window", False)
+    assert _qwen3_moe_windowed(cfg["num_hidden_layers"], use) == windowed  # the table is the source's
+    try:  # where transformers is installed, its own config class too
+        from transformers import Qwen3MoeConfig
+    except ImportError:
+        Qwen3MoeConfig = None
+    if Qwen3MoeConfig is not None:
+        hf = Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k not in ("model_type", "layer_types")})
+        assert (hf.sliding_window is not None) == bool(windowed)
+    spec = from_hf_config(_write(tmp_path, cfg))
+    assert spec.window_layers == windowed
+    assert spec.sliding_window == (4096 if use else None)
 
 
 def test_deepseek_moe_layer_freq_is_named_in_the_plan(tmp_path, capsys):

@@ -1,16 +1,20 @@
 """What the norms keep for backward (Note [what a norm keeps] in fusedist/plan/norm_bytes.py),
 byte for byte against autograd in bf16 and fp32: the Llama-style RMSNorm --measure trains
-keeps its fp32 rows, its normalised rows and an fp32 rstd a row; LayerNorm its input (and
-two per-row statistics the planner leaves out)."""
+keeps its fp32 rows, its normalised rows and an fp32 rstd a row (latent attention's two norms
+too); Gemma's its fp32 rows, fp32 normalised rows and rstd; LayerNorm its input (and two
+per-row statistics the planner leaves out)."""
+
+import json
 
 import pytest
 import torch
 from torch import nn
 
-from fusedist.plan import ModelSpec, activation_bytes
+from fusedist.plan import ModelSpec, activation_bytes, cli, from_hf_config
 from fusedist.plan.measure import _saved_activation_bytes, saved_storage_bytes
 from fusedist.plan.norm_bytes import block_norm_bytes, final_norm_bytes, layer_norm_bytes, rms_norm_bytes
-from fusedist.plan.torch_model import RMSNorm, Transformer
+from fusedist.plan.torch_model import GemmaRMSNorm, RMSNorm, Transformer
+from test_plan_configs import DEEPSEEK_V2_LITE, DEEPSEEK_V3, GEMMA2_9B, GEMMA3_1B, GEMMA_2B, QWEN3_8B
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
@@ -84,7 +88,8 @@ def test_measured_llama_saves_about_what_the_planner_counts(dtype):
     torch.manual_seed(0)
     b, s = 2, 16
     precision = "bf16" if dtype == torch.bfloat16 else "fp32"
-    for extra in ({}, {"qk_norm": True}, {"sandwich_norm": True}):
+    for extra in ({}, {"qk_norm": True}, {"sandwich_norm": True},
+                  {"gemma_norm": True, "qk_norm": True, "sandwich_norm": True}):
         spec = ModelSpec(arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, seq=s, vocab=50,
                          **extra)
         model = Transformer(spec).to(dtype)
@@ -92,3 +97,102 @@ def test_measured_llama_saves_about_what_the_planner_counts(dtype):
         saved = _saved_activation_bytes(model, tokens[:, :-1], tokens[:, 1:])
         planned = activation_bytes(spec, b, s, precision, "none")
         assert 0.9 < saved / planned <= 1.0, (extra, saved, planned)
+
+
+@DTYPES
+@pytest.mark.parametrize("q_lora_rank", [24, None], ids=["compressed_q", "full_q"])
+def test_latent_attention_norms_save_what_the_planner_counts(dtype, q_lora_rank):
+    """DeepSeek's q_a_layernorm (over q_lora_rank) and kv_a_layernorm (over kv_lora_rank), one row
+    of each a token, in the measured model's latent attention."""
+    torch.manual_seed(0)
+    b, s, h, rank = 2, 5, 32, 16
+    spec = ModelSpec(arch="llama", layers=1, hidden=h, heads=4, ffn_hidden=48, seq=s, vocab=11, head_dim=12,
+                     kv_lora_rank=rank, q_lora_rank=q_lora_rank, rope_head_dim=4, v_head_dim=8)
+    block = Transformer(spec).to(dtype).blocks[0]
+    word = torch.finfo(dtype).bits // 8
+    latent_norms = [block.latent.kv_norm] + ([block.latent.q[1]] if q_lora_rank else [])
+    per_token = 0
+    for norm in (block.norm1, block.norm2, *latent_norms):
+        assert isinstance(norm, RMSNorm)
+        x = torch.randn(b, s, norm.weight.numel(), dtype=dtype, requires_grad=True)
+        saved = _saved(norm, x)
+        assert saved == b * s * rms_norm_bytes(norm.weight.numel(), 1, word)
+        per_token += saved // (b * s)
+    assert [n.weight.numel() for n in latent_norms] == [rank] + ([q_lora_rank] if q_lora_rank else [])
+    assert per_token == block_norm_bytes(spec, word)
+
+
+def _saved_but_weight(norm, x):
+    """Saved bytes of ``norm(x)`` per token, and those of tensors shaped as its weight (Gemma's
+    fp32 ``1 + weight``, one per norm)."""
+    width, tokens = norm.weight.numel(), x.shape[0] * x.shape[1]
+    rows = saved_storage_bytes(norm, lambda: norm(x).float().sum().backward(), lambda t: t.shape != (width,))
+    weight = saved_storage_bytes(norm, lambda: norm(x).float().sum().backward(), lambda t: t.shape == (width,))
+    assert rows % tokens == 0
+    return rows // tokens, weight
+
+
+@DTYPES
+def test_every_gemma_norm_saves_fp32_normalised_rows_as_the_planner_counts(dtype):
+    torch.manual_seed(0)
+    b, s = 2, 5
+    spec = ModelSpec(arch="llama", layers=1, hidden=32, heads=4, kv_heads=2, ffn_hidden=48, seq=s, vocab=11,
+                     head_dim=16, qk_norm=True, sandwich_norm=True, gemma_norm=True)
+    model = Transformer(spec).to(dtype)
+    word = torch.finfo(dtype).bits // 8
+    block = model.blocks[0]
+    per_token = 0
+    for norm, rows in ((block.norm1, 1), (block.norm2, 1), (block.post1, 1), (block.post2, 1),
+                       (block.q_norm, spec.heads), (block.k_norm, spec.kv)):
+        assert isinstance(norm, GemmaRMSNorm)
+        width = norm.weight.numel()
+        saved, weight = _saved_but_weight(norm, torch.randn(b, s, rows, width, dtype=dtype, requires_grad=True))
+        assert saved == rms_norm_bytes(width, rows, word, gemma=True) == rows * (8 * width + 4)
+        assert weight == 4 * width  # the fp32 1 + weight, once per norm
+        per_token += saved
+    assert per_token == block_norm_bytes(spec, word)
+    x = torch.randn(b, s, spec.hidden, dtype=dtype, requires_grad=True)
+    assert _saved_but_weight(model.norm, x)[0] == final_norm_bytes(spec, word) == 8 * spec.hidden + 4
+    llama = ModelSpec(**{**spec.__dict__, "gemma_norm": False})
+    assert block_norm_bytes(spec, word) - block_norm_bytes(llama, word) == (4 - word) * (
+        4 * spec.hidden + (spec.heads + spec.kv) * spec.head_size)  # 2 bytes a normalised element more in bf16
+
+
+def test_the_gemma_norm_is_rms_norm_times_one_plus_weight():
+    """In fp32 Gemma's norm is torch's nn.RMSNorm with the weight 1 + w, values and gradients."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 16, requires_grad=True)
+    ours, theirs = GemmaRMSNorm(16), nn.RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.uniform_(-0.5, 0.5)
+        theirs.weight.copy_(1 + ours.weight)
+    torch.testing.assert_close(ours(x), theirs(x))
+    g = torch.randn(3, 7, 16)
+    grads = [torch.autograd.grad(m(x), (x, m.weight), g) for m in (ours, theirs)]
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_configs_pick_the_norms_their_models_use(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    for cfg, gemma in ((GEMMA_2B, True), (GEMMA2_9B, True), (GEMMA3_1B, True), (QWEN3_8B, False),
+                       (DEEPSEEK_V3, False)):
+        path.write_text(json.dumps(cfg))
+        assert from_hf_config(str(path)).gemma_norm is gemma, cfg["model_type"]
+    for cfg, latent in ((DEEPSEEK_V3, 512 + 1536), (DEEPSEEK_V2_LITE, 512)):
+        path.write_text(json.dumps(cfg))
+        spec = from_hf_config(str(path))
+        plain = ModelSpec(arch="llama", hidden=spec.hidden, heads=spec.heads, layers=1)
+        assert block_norm_bytes(spec, 2) - block_norm_bytes(plain, 2) == 6 * latent + 4 * (1 + (latent > 512))
+    # the plan says which norm it counted
+    path.write_text(json.dumps(GEMMA2_9B))
+    assert cli.main(["--hf-config", str(path), "--gpus", "8", "--seq", "4096", "--json"]) in (0, 1)
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["inputs"]["model"]["gemma_norm"] is True
+    assert "the normalised rows in fp32 and an fp32 rstd a row (Gemma's RMSNorm" in \
+        plan["inputs"]["assumptions"]["activations"]
+    path.write_text(json.dumps(DEEPSEEK_V3))
+    assert cli.main(["--hf-config", str(path), "--gpus", "64", "--seq", "4096", "--json"]) in (0, 1)
+    plan = json.loads(capsys.readouterr().out)
+    assert "gemma_norm" not in plan["inputs"]["model"]
+    assert "latent attention's RMSNorms of its compressed keys/values (kv_lora_rank) and queries" in \
+        plan["inputs"]["assumptions"]["activations"]

@@ -48,8 +48,9 @@ WINDOWS = [
     ("qwen3-30b-a3b", QWEN3_30B_A3B, None, ()),
     # with it on, the blocks from max_window_layers up
     ("qwen2-7b-swa", {**QWEN2_7B, "use_sliding_window": True, "max_window_layers": 20}, 131072, tuple(range(20, 28))),
+    # Qwen3-MoE (transformers 5): every block, max_window_layers not read (tests/test_plan_layer_rules.py)
     ("qwen3-moe-swa", {**QWEN3_30B_A3B, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 40},
-     4096, tuple(range(40, 48))),
+     4096, tuple(range(48))),
     # Llama has no window
     ("llama3-8b", LLAMA3_8B, None, ()),
 ]

@@ -25,7 +25,7 @@ from .model import ModelSpec, validate
 #   bias, o without); head_dim: the class's
 #   default head size (Gemma's: 256, whatever hidden / heads is), "required" where the
 #   released configs all give it and the default is not hidden / heads; qk_norm,
-#   sandwich_norm: see ModelSpec; moe: where the experts' keys are (Note [active parameters]
+#   sandwich_norm, gemma_norm: see ModelSpec; moe: where the experts' keys are (Note [active parameters]
 #   in model.py); keys: the optional keys that change the count and are read (anything else
 #   in the config does not change it); window: which blocks a sliding_window applies to and
 #   the class's default window (Note [sliding windows] in model.py, _window below); softcap: the
@@ -35,19 +35,20 @@ HF_MODEL_TYPES = {
     "mistral": {"tie": False, "keys": ("head_dim",), "window": ("all", 4096)},
     "qwen2": {"tie": False, "qkv_bias": True, "keys": ("head_dim",), "window": ("qwen", 4096)},
     "phi3": {"tie": False, "keys": (), "window": ("all", None)},
-    "gemma": {"tie": True, "head_dim": 256, "keys": ("head_dim", "attention_bias")},  # GemmaAttention reads it
+    "gemma": {"tie": True, "head_dim": 256, "gemma_norm": True,
+              "keys": ("head_dim", "attention_bias")},  # GemmaAttention reads it
     "gpt2": {"tie": True, "keys": ()},
     "qwen3": {"tie": False, "head_dim": "required", "qk_norm": True, "keys": ("head_dim", "attention_bias"),
               "window": ("qwen", 4096)},
-    "gemma2": {"tie": True, "head_dim": 256, "sandwich_norm": True, "keys": ("head_dim", "attention_bias"),
-               "window": ("gemma2", 4096), "softcap": (50.0, 30.0)},
-    "gemma3_text": {"tie": True, "head_dim": 256, "sandwich_norm": True, "qk_norm": True,
+    "gemma2": {"tie": True, "head_dim": 256, "sandwich_norm": True, "gemma_norm": True,
+               "keys": ("head_dim", "attention_bias"), "window": ("gemma2", 4096), "softcap": (50.0, 30.0)},
+    "gemma3_text": {"tie": True, "head_dim": 256, "sandwich_norm": True, "qk_norm": True, "gemma_norm": True,
                     "keys": ("head_dim", "attention_bias"), "window": ("gemma3", 4096), "softcap": (None, None)},
     "mixtral": {"tie": False, "moe": "mixtral", "keys": ("head_dim",), "window": ("all", None)},
     "qwen2_moe": {"tie": False, "qkv_bias": True, "moe": "qwen2_moe", "keys": ("qkv_bias",),
                   "window": ("qwen2_moe", 4096)},
     "qwen3_moe": {"tie": False, "head_dim": "required", "qk_norm": True, "moe": "qwen3_moe",
-                  "keys": ("head_dim", "attention_bias"), "window": ("qwen", 4096)},
+                  "keys": ("head_dim", "attention_bias"), "window": ("qwen3_moe", 4096)},
     "falcon": {"tie": True, "keys": ()},  # its own keys: _falcon
     # latent attention (Note [latent attention] in model.py): its own head keys, not head_dim
     "deepseek_v2": {"tie": False, "latent": True, "moe": "deepseek", "keys": ("attention_bias",)},
@@ -139,7 +140,8 @@ def from_hf_config(path: str) -> ModelSpec:
         values.update(_softcaps(cfg, path, *family["softcap"]))
     spec = ModelSpec(arch=arch, tied=tied, qkv_bias=bool(qkv_bias or attention_bias),
                      out_bias=attention_bias, mlp_bias=mlp_bias, qk_norm=family.get("qk_norm", False),
-                     sandwich_norm=family.get("sandwich_norm", False), source=f"hf-config ({model_type})",
+                     sandwich_norm=family.get("sandwich_norm", False), gemma_norm=family.get("gemma_norm", False),
+                     source=f"hf-config ({model_type})",
                      **values)
     return _checked(spec, path, dict({f"--{k.replace('_', '-')}": v for k, v in keys.items()},
                                      **{"--ffn-hidden": ffn_key, "--kv-heads": kv_key},
@@ -313,13 +315,17 @@ def _window(cfg: dict, path: str, rule: str, default: Optional[int], layers: int
     """The sliding window and the blocks it applies to, as transformers decides (a null window,
     or none by default, is full attention everywhere): MistralAttention, MixtralAttention and
     Phi3Attention hand ``config.sliding_window`` to every block; Qwen2Config, Qwen3Config,
-    Qwen2MoeConfig and Qwen3MoeConfig null the window without ``use_sliding_window`` and
-    default ``layer_types`` by ``max_window_layers`` (Qwen2MoeConfig by the parity of ``i`` too);
-    Gemma2Config and Gemma3TextConfig by ``(i + 1) % 2`` and ``(i + 1) % sliding_window_pattern``:
+    Qwen2MoeConfig and Qwen3MoeConfig null the window without ``use_sliding_window``; the first
+    three default ``layer_types`` by ``max_window_layers`` (Qwen2MoeConfig by the parity of ``i``
+    too), while transformers 5's Qwen3MoeConfig has neither key and its attention and masks (as
+    Mixtral's) give the window to every block; Gemma2Config and Gemma3TextConfig pick by
+    ``(i + 1) % 2`` and ``(i + 1) % sliding_window_pattern``:
 
     * ``all`` (Mistral, Mixtral, Phi-3): every block, ``sliding_window``;
-    * ``qwen`` (Qwen2/3, Qwen3-MoE): only with ``use_sliding_window`` (default false, as in
-      every released Qwen config), the blocks ``i >= max_window_layers`` (default 28);
+    * ``qwen`` (Qwen2/3): only with ``use_sliding_window`` (default false, as in every released
+      Qwen config), the blocks ``i >= max_window_layers`` (default 28);
+    * ``qwen3_moe``: only with ``use_sliding_window``, every block (``max_window_layers`` and
+      ``layer_types`` are not read);
     * ``qwen2_moe``: only with ``use_sliding_window``, the even blocks below ``max_window_layers``
       (``(i + 1) % 2 and i < max_window_layers``, Qwen2MoeConfig's default ``layer_types`` in
       transformers 5, which Qwen2MoeAttention and the model's masks follow block by block);
@@ -328,14 +334,14 @@ def _window(cfg: dict, path: str, rule: str, default: Optional[int], layers: int
       sixth global.
 
     A ``layer_types`` list (newer Qwen and Gemma configs) names each block's attention and
-    takes precedence over the pattern, as in those classes."""
+    takes precedence over the pattern, as in those classes (Qwen3-MoE's aside)."""
     window = cfg["sliding_window"] if "sliding_window" in cfg else default
-    if rule in ("qwen", "qwen2_moe") and not _flag(cfg, "use_sliding_window", path):
+    if rule in ("qwen", "qwen2_moe", "qwen3_moe") and not _flag(cfg, "use_sliding_window", path):
         window = None
     if window is None:
         return {}
     window = _positive_int(cfg, "sliding_window", path) if "sliding_window" in cfg else window
-    if rule == "all":
+    if rule in ("all", "qwen3_moe"):
         ids = range(layers)
     elif cfg.get("layer_types") is not None:
         ids = _layer_types(cfg, path, layers)

@@ -126,6 +126,7 @@ class ModelSpec:
     mlp_bias: bool = False  # llama: biases on gate, up, down (Llama's mlp_bias)
     qk_norm: bool = False  # llama: RMSNorm of head_size on q and on k (Qwen3, Gemma-3)
     sandwich_norm: bool = False  # llama: four norms a block, not two (Gemma-2/3)
+    gemma_norm: bool = False  # llama: Gemma's RMSNorm, (1 + weight) in fp32 (Note [what a norm keeps])
     # mixture of experts (llama blocks; Note [active parameters]); experts None: dense MLPs
     experts: Optional[int] = None  # routed experts in an MoE block
     experts_per_token: Optional[int] = None  # routed experts each token goes through (top-k)
@@ -476,8 +477,9 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     selective figure without recomputation. Per token, a mixture-of-experts block keeps the
     router's fp32 probabilities, the routing's indices and weights and, for each routed
     expert it goes to, its copy of the input, the SwiGLU's four tensors and the expert's
-    output (and the shared expert's four; :func:`_moe_mlp_tensors`); q/k norms and sandwich
-    norms keep what a norm keeps; soft-capping keeps tanh's output (Note [soft-capping]).
+    output (and the shared expert's four; :func:`_moe_mlp_tensors`); q/k norms, sandwich
+    norms and latent attention's two norms keep what a norm keeps; soft-capping keeps tanh's
+    output (Note [soft-capping]).
     """
     if not spec.has_shape:
         return None

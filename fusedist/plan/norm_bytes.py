@@ -10,8 +10,16 @@ Note [what a norm keeps]
     activations' dtype (for the weight's gradient): ``(4 + word)·width + 4`` bytes a row,
     ``6·h + 4`` a token in bf16 and ``8·h + 4`` in fp32, where the LayerNorm of Korthikanti et
     al. keeps its ``word·h`` input. A q/k norm normalises each head's row: ``heads`` rows a
-    token. Gemma's RMSNorm multiplies in fp32 and keeps fp32 normalised rows (``2·h`` more in
-    bf16); it is counted as Llama's.
+    token. DeepSeek-V2/V3's latent attention normalises its compressed rows too: an RMSNorm of
+    ``q_lora_rank`` (where the queries are compressed) and one of ``kv_lora_rank``, a row of each
+    a token (in fp32 the latter's rows are a slice of ``kv_a_proj_with_mqa``'s output, whose
+    rotary ``4·rope_head_dim`` bytes beside them stay too and are not counted).
+
+    Gemma's RMSNorm (transformers' GemmaRMSNorm, and Gemma-2's and Gemma-3's, the same code)
+    normalises the fp32 rows, multiplies them by ``1 + weight`` in fp32 and only then casts back:
+    autograd keeps the fp32 rows, the fp32 ``rstd`` and the fp32 normalised rows, ``8·width + 4``
+    bytes a row in bf16 as in fp32 (``2·h`` more than Llama's in bf16). The fp32 ``1 + weight``
+    it also keeps is one per norm, not per token, and is left out.
 
     torch's ``nn.RMSNorm`` is not what is counted, nor used by --measure: on CUDA it runs a
     fused kernel that keeps the input and ``rstd`` (``2·h + 4`` in bf16), elsewhere its
@@ -29,9 +37,11 @@ from __future__ import annotations
 _FP32 = 4
 
 
-def rms_norm_bytes(width: int, rows: int, word: int) -> int:
-    """Bytes an RMSNorm keeps per token over ``rows`` rows of ``width`` (Note [what a norm keeps])."""
-    return rows * ((_FP32 + word) * width + _FP32)
+def rms_norm_bytes(width: int, rows: int, word: int, gemma: bool = False) -> int:
+    """Bytes an RMSNorm keeps per token over ``rows`` rows of ``width`` (Note [what a norm keeps]);
+    ``gemma``: Gemma's, whose normalised rows stay fp32."""
+    kept = _FP32 if gemma else word
+    return rows * ((_FP32 + kept) * width + _FP32)
 
 
 def layer_norm_bytes(width: int, word: int) -> int:
@@ -41,19 +51,26 @@ def layer_norm_bytes(width: int, word: int) -> int:
 
 def block_norm_bytes(spec, word: int) -> int:
     """Bytes one block's norms keep per token: the two before attention and MLP (one when
-    Falcon-7B shares it), Gemma's two after them, and the q/k norms over each head."""
+    Falcon-7B shares it), Gemma's two after them, the q/k norms over each head and latent
+    attention's norms of its compressed queries and keys/values."""
     h = spec.hidden
     count = 4 if spec.sandwich_norm else 1 if spec.shared_norm else 2
     if spec.arch != "llama":
         return count * layer_norm_bytes(h, word)
-    n = count * rms_norm_bytes(h, 1, word)
+    gemma = spec.gemma_norm
+    n = count * rms_norm_bytes(h, 1, word, gemma)
     if spec.qk_norm:
-        n += rms_norm_bytes(spec.head_size, spec.heads, word) + rms_norm_bytes(spec.head_size, spec.kv, word)
+        n += (rms_norm_bytes(spec.head_size, spec.heads, word, gemma)
+              + rms_norm_bytes(spec.head_size, spec.kv, word, gemma))
+    if spec.kv_lora_rank is not None:  # Note [latent attention] in model.py
+        n += rms_norm_bytes(spec.kv_lora_rank, 1, word)
+        if spec.q_lora_rank:
+            n += rms_norm_bytes(spec.q_lora_rank, 1, word)
     return n
 
 
 def final_norm_bytes(spec, word: int) -> int:
     """Bytes the final norm keeps per token."""
     if spec.arch == "llama":
-        return rms_norm_bytes(spec.hidden, 1, word)
+        return rms_norm_bytes(spec.hidden, 1, word, spec.gemma_norm)
     return layer_norm_bytes(spec.hidden, word)

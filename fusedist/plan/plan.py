@@ -18,8 +18,8 @@ from .pipeline import pipeline_activation_bytes, pipeline_schedule, schedule_ref
 
 GB = 10**9
 # ModelSpec fields left out of the plan's model while off, so a plain model reads as before
-_SHOWN_WHEN_ON = ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "sandwich_norm", "shared_ffn", "shared_gate",
-                  "dense_layers", "parallel_attn", "shared_norm", "rope_head_dim", "dense_ids",
+_SHOWN_WHEN_ON = ("qkv_bias", "out_bias", "mlp_bias", "qk_norm", "sandwich_norm", "gemma_norm", "shared_ffn",
+                  "shared_gate", "dense_layers", "parallel_attn", "shared_norm", "rope_head_dim", "dense_ids",
                   "window_layers")
 
 
@@ -349,8 +349,15 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                 if cap is not None))
     if spec.has_shape and spec.arch == "llama":  # Note [what a norm keeps] in norm_bytes.py
         inputs["assumptions"]["activations"] += (
+            "; an RMSNorm keeps its rows in fp32, the normalised rows in fp32 and an fp32 rstd a row (Gemma's "
+            "RMSNorm, which multiplies by 1 + weight before the cast back: 8h + 4 bytes a token in bf16 and fp32)"
+            if spec.gemma_norm else
             "; an RMSNorm keeps its rows in fp32, the normalised rows and an fp32 rstd a row (transformers' "
             "Llama RMSNorm: 6h + 4 bytes a token in bf16, where a LayerNorm keeps its 2h input)")
+        if spec.kv_lora_rank is not None:
+            inputs["assumptions"]["activations"] += (
+                "; latent attention's RMSNorms of its compressed keys/values (kv_lora_rank) and queries "
+                "(q_lora_rank) keep the same, a row of their width a token")
     if spec.windowed_layers(job.seq):
         inputs["assumptions"]["activations"] += ("; a sliding window stores the same tensors (the unfused "
                                                  "softmax is s x s whatever the mask)")

@@ -30,7 +30,7 @@ def model_line(plan: dict) -> str:
                  + (f" ({m['kv_heads']} kv)" if m.get("kv_heads") not in (None, m["heads"]) else "")
                  + (f" of {m['head_dim']}" if m.get("head_dim") is not None else "")
                  + "".join(f", {name.replace('_', ' ')}" for name in ("qkv_bias", "out_bias", "mlp_bias",
-                                                                       "qk_norm", "sandwich_norm",
+                                                                       "qk_norm", "sandwich_norm", "gemma_norm",
                                                                        "parallel_attn", "shared_norm")
                            if m.get(name))
                  + (f", latent attention (kv rank {m['kv_lora_rank']}, q rank {m.get('q_lora_rank') or 'full'}, "

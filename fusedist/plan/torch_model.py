@@ -1,6 +1,7 @@
 """The model ``--measure`` trains: a decoder-only transformer with exactly the parameters
 :func:`fusedist.plan.model.count_params` counts (``gpt``, ``llama`` or ``falcon`` blocks, with
-q/k norms, sandwich norms, experts and sliding attention windows where the spec has them).
+q/k norms, sandwich norms, Gemma's RMSNorm, experts and sliding attention windows where the
+spec has them).
 Rotary position encoding is left out of the llama block: it has no parameters and does not
 change the bytes that are measured.
 
@@ -50,6 +51,27 @@ class RMSNorm(nn.Module):
         rows = x.to(torch.float32)
         normed = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """transformers' Gemma RMSNorm (Gemma-2's and Gemma-3's are the same): the weight is an offset
+    from one, and the product with ``1 + weight`` is taken in fp32 before the cast back, so the
+    normalised rows it keeps are fp32 (Note [what a norm keeps] in fusedist/plan/norm_bytes.py)."""
+
+    def __init__(self, width: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.float()
+        normed = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+def rms_norm_class(spec: ModelSpec):
+    """The RMSNorm the spec's model uses: Gemma's or Llama's."""
+    return GemmaRMSNorm if spec.gemma_norm else RMSNorm
 
 
 class Experts(nn.Module):
@@ -147,12 +169,13 @@ class Block(nn.Module):
         self.q_dim, self.kv_dim = spec.q_dim, spec.kv_dim
         self.gpt = spec.arch == "gpt"
         self.gelu, self.parallel = spec.arch != "llama", spec.parallel_attn
-        norm = nn.LayerNorm if self.gelu else RMSNorm
+        rms_norm = rms_norm_class(spec)
+        norm = nn.LayerNorm if self.gelu else rms_norm
         self.norm1 = norm(h)
         self.norm2 = None if spec.shared_norm else norm(h)  # Falcon-7B: norm1 feeds the MLP too
         # Gemma-2/3 normalise the attention's and the MLP's outputs too
         self.post1, self.post2 = (norm(h), norm(h)) if spec.sandwich_norm else (nn.Identity(), nn.Identity())
-        self.q_norm, self.k_norm = ((RMSNorm(self.head_dim), RMSNorm(self.head_dim)) if spec.qk_norm
+        self.q_norm, self.k_norm = ((rms_norm(self.head_dim), rms_norm(self.head_dim)) if spec.qk_norm
                                     else (nn.Identity(), nn.Identity()))
         self.latent = LatentAttention(spec) if spec.kv_lora_rank is not None else None
         if self.latent is None:
@@ -229,7 +252,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(spec, moe=spec.is_moe_block(i),
                                           window=spec.sliding_window if i in spec.window_layers else None)
                                     for i in range(spec.layers))
-        self.norm = RMSNorm(h) if spec.arch == "llama" else nn.LayerNorm(h)
+        self.norm = rms_norm_class(spec)(h) if spec.arch == "llama" else nn.LayerNorm(h)
         self.head = None if spec.tied_embeddings else nn.Linear(h, spec.vocab, bias=False)
         self.final_softcap = spec.final_softcap
 

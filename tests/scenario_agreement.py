@@ -18,10 +18,10 @@ Note [a scenario that fails on some ranks]
     it first.
 
     What the abort does not end early: a wait in a store (a barrier, a new group's
-    rendezvous), and a wait that polls a gloo receive's ``is_completed()`` (fusedist's small
-    all-reduces through its exchange), which stays False on a closed connection (only a
-    ``wait()`` raises); those wait out their timeout, the process group's (30 s by default),
-    and the next scenario still runs on a fresh group.
+    rendezvous): it waits out its timeout, the process group's (30 s by default), and the
+    next scenario still runs on a fresh group. (gloo's abort closes no connection by itself;
+    fusedist closes those of the groups its exchanges use: Note [aborting a group closes its
+    connections] in fusedist/comm/aborted_groups.py.)
 
     The store is a TCP store served by rank 0 on a port the system picks (told to the others
     through the group's own store): its waits are answered when the key is set, where the

@@ -13,13 +13,19 @@ Note [connections a peer closed]
     not reach the store) the error says that this peer ended the connection and that its process
     may have ended. Entries are keyed by the group's name and the rank's global rank: a group
     gives up at its first failed exchange (Note [no collectives after a failed exchange] in
-    gloo_exchange.py), so each rank writes at most one per group.
+    gloo_exchange.py), so each rank writes at most one per group. A rank that aborts its process
+    groups writes that it did before it closes their connections (Note [aborting a group closes its
+    connections] in aborted_groups.py), and that entry stays: the abort fails its own pending
+    exchanges next, whose errors are not the cause.
 """
 
 from __future__ import annotations
 
 import datetime
+import weakref
 from typing import Optional
+
+from . import aborted_groups
 
 #: How long a rank that found a connection closed waits for the peer's entry.
 WAIT_S = 2.0
@@ -58,14 +64,23 @@ class ClosedConnections:
             self.store = None
             self.group_name = ""
         self.global_rank = global_rank
+        self._final = False  # (an abort's entry was written: it stays)
+        try:  # (weakly: the group closes its connections when its last holder drops it)
+            self.group = weakref.ref(group)
+        except TypeError:  # (not a process group: nothing to close on an abort)
+            self.group = lambda: None
+        # Note [aborting a group closes its connections] in aborted_groups.py
+        aborted_groups.watch(self)
 
     def _key(self, global_rank: int) -> str:
         return f"{_PREFIX}/{self.group_name}/{global_rank}"
 
-    def publish(self, reason: str) -> None:
-        """Leave this rank's failure for its peers; never raises."""
-        if self.store is None:
+    def publish(self, reason: str, final: bool = False) -> None:
+        """Leave this rank's failure for its peers; never raises. After a ``final`` one (an abort, which fails
+        this rank's own pending exchanges next), the others are not written."""
+        if self.store is None or self._final:
             return
+        self._final = final
         try:
             self.store.set(self._key(self.global_rank), reason.encode())
         except Exception:  # noqa: BLE001 - the store is gone too: the peers say less
@@ -81,6 +96,8 @@ class ClosedConnections:
                 failure = self.store.get(key).decode()
             except Exception:  # noqa: BLE001 - no entry within the wait
                 failure = None
+        if failure is not None and failure.startswith(aborted_groups.aborted_reason(f"rank {global_peer}")):
+            return f"{peer_where} closed the connection: it {failure.split(' ', 2)[2]}"
         if failure is not None:
             return (f"{peer_where} closed the connection because its side of a collective failed first "
                     f"({failure})")

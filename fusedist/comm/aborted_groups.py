@@ -1,0 +1,115 @@
+"""A rank that aborts its process groups closes their gloo connections, so a peer's exchange fails at once.
+
+Note [aborting a group closes its connections]
+    ``torch.distributed.distributed_c10d._abort_process_group()`` forgets the groups; for gloo it ends
+    nothing (a gloo group's ``abort`` does not close a connection). The connections close only when the
+    last reference to the group goes. torch's own collectives hold none once they returned, so a peer
+    waiting in gloo's all-reduce fails at once with "Connection closed by peer". fusedist's communicator
+    cache, and a DDP model or ZeRO optimizer the program still holds, keep the group alive: a peer
+    waiting in a fusedist exchange (a small all-reduce, a DDP bucket) waited out the group's timeout (30 s)
+    and the stall report after it. So the first exchange on a group wraps ``_abort_process_group`` (once
+    per process); after an abort, each group of a fusedist exchange that torch no longer has leaves the
+    reason in the store (Note [connections a peer closed] in closed_connections.py) and then closes its
+    connections the way a gloo receive that times out does (a receive no peer sends, waited for a
+    millisecond). The peer's wait fails at once and names this rank and the abort. Nothing is held: the
+    exchanges are known by weak references, the aborted groups only while the abort runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import weakref
+
+import torch
+
+#: The tag of the receive that closes an aborted group's connections: no message ever carries it (the
+#: exchange's tags lie in [2**30, 2**31), user traffic at small tags).
+_CLOSING_TAG = (1 << 30) - 2
+_ABORTED = "aborted its process groups (torch.distributed's _abort_process_group), which closed the group's connections"
+
+_lock = threading.Lock()
+_watched: "weakref.WeakSet" = weakref.WeakSet()  # the ClosedConnections of this process's exchanges
+
+
+def watch(closing) -> None:
+    """Close ``closing``'s group's connections when this process aborts it (Note [aborting a group
+    closes its connections]); ``closing``: a ``ClosedConnections`` holding its group weakly."""
+    with _lock:
+        _watched.add(closing)
+        _install()
+
+
+def aborted_reason(rank_text: str) -> str:
+    """What an aborting rank leaves in the store for its peers."""
+    return f"{rank_text} {_ABORTED}"
+
+
+def _install() -> None:
+    from torch.distributed import distributed_c10d
+
+    original = getattr(distributed_c10d, "_abort_process_group", None)
+    if original is None or getattr(original, "_fusedist_closes_connections", False):
+        return
+
+    def _abort_process_group(group=None):
+        groups = _groups_aborted_by(group)
+        try:
+            return original(group)
+        finally:
+            _close_aborted(groups)
+            del groups  # (held no longer than the abort)
+
+    _abort_process_group._fusedist_closes_connections = True
+    _abort_process_group.__wrapped__ = original
+    _abort_process_group.__doc__ = original.__doc__
+    distributed_c10d._abort_process_group = _abort_process_group
+
+
+def _groups_aborted_by(group) -> list:
+    """The (group, its ClosedConnections) of the exchanges an abort of ``group`` (None: all) may end."""
+    from torch.distributed import distributed_c10d
+
+    with _lock:
+        watched = list(_watched)
+    world = distributed_c10d.GroupMember.WORLD
+    aborted = []
+    for closing in watched:
+        target = closing.group()
+        if target is not None and (group is None or group is world or target is group):
+            aborted.append((target, closing))
+    return aborted
+
+
+def _close_aborted(groups: list) -> None:
+    from torch.distributed import distributed_c10d
+
+    pg_map = getattr(getattr(distributed_c10d, "_world", None), "pg_map", None)
+    for group, closing in groups:
+        if pg_map is not None and group in pg_map:
+            continue  # (the abort failed or skipped it: torch still has it)
+        closing.publish(aborted_reason(f"rank {closing.global_rank}"), final=True)
+        _close_connections(group)
+
+
+def _close_connections(group) -> None:
+    """A receive from every peer that nobody sends, waited for a millisecond: gloo answers the timeout by
+    closing the group's connections. Never raises."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+        rank, size = group.rank(), group.size()
+    except Exception:  # noqa: BLE001 - not a gloo group (NCCL's abort ends its own work)
+        return
+    works = []
+    for peer in range(size):
+        if peer == rank:
+            continue
+        try:
+            works.append(backend.recv([torch.empty(1)], peer, _CLOSING_TAG))
+        except Exception:  # noqa: BLE001 - that connection closed already
+            pass
+    for work in works:
+        try:
+            work.wait(datetime.timedelta(milliseconds=1))
+        except Exception:  # noqa: BLE001 - the timeout that closes the connections
+            pass

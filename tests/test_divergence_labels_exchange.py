@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fusedist.reliability.divergence import diverged
+from fusedist.reliability.monitor import CollectiveMonitor
 from fusedist.testing import run_distributed
 
 _TIMEOUT_S = 20  # the collective timeout the diverged ranks would otherwise wait out
@@ -112,9 +113,10 @@ def _labels_across_ranks(rank, world_size):
     # on with its own value. Through the exchange and through gloo's own. One rank's probe gives the verdict, the
     # other's never would (Note [the verdict before the closed connections]): it learns from the closed connection.
     for builtin in (False, True):
+        out[f"barrier against all_reduce, builtin {builtin}, causes"] = causes = []
         out[f"barrier against all_reduce, builtin {builtin}"] = _diverged_on_new_group(
             lambda c: c.barrier() if rank == 0 else c.all_reduce(torch.ones(1), tag="one value"), builtin=builtin,
-            verdict_on=int(builtin))
+            verdict_on=int(builtin), causes=causes)
     # An all-reduce on rank 0 against a reduce-scatter of as many elements and the same op on rank 1. gloo's own
     # reduce-scatter is an all-reduce of its input: the two paired and both ranks went on out of step.
     for how in ("exchange", "builtin", "builtin async"):
@@ -167,10 +169,11 @@ def _labels_across_ranks(rank, world_size):
     return out
 
 
-def _diverged_on_new_group(collective, builtin: bool = False, verdict_on=None):
+def _diverged_on_new_group(collective, builtin: bool = False, verdict_on=None, causes=None):
     """Run ``collective(comm)`` on a new group's monitored communicator, and wait for the handle it returns:
     (the error, seconds it took, whether the collective had ended a second later). With ``verdict_on``, only that
-    rank's probe finds the divergence, and it closes the connections a while before it publishes its failure."""
+    rank's probe finds the divergence, and it closes the connections a while before it publishes its failure.
+    ``causes``: a list given the text of each error the error was raised from."""
     import torch.distributed as dist
 
     from fusedist.comm import CollectiveError, TorchCommunicator, get_communicator
@@ -187,7 +190,10 @@ def _diverged_on_new_group(collective, builtin: bool = False, verdict_on=None):
                 handle.wait()
         message = "no error"
     except CollectiveError as exc:
-        message = str(exc)
+        message, cause = str(exc), exc.__cause__ or exc.__context__
+        while causes is not None and cause is not None and len(causes) < 8:
+            causes.append(str(cause))
+            cause = cause.__cause__ or cause.__context__
     elapsed = time.monotonic() - start
     work = handle._work if handle is not None else None
     while work is not None and not work.is_completed() and time.monotonic() < start + elapsed + 1:
@@ -292,6 +298,10 @@ def test_a_barrier_never_pairs_with_a_one_element_all_reduce(results, builtin):
         assert "ranks [0] in barrier" in line and "ranks [1] in all_reduce" in line, (rank, line)
         assert (f"rank {first} gave this verdict first" in line) == (rank != first), (rank, line)
         assert "Stall report" in message and elapsed < 6 and ended, (rank, elapsed, message)
+        if not builtin:  # (the exchange carries the barrier as a one-element all-reduce; its errors say barrier)
+            causes = out["barrier against all_reduce, builtin False, causes"]
+            named = "barrier exchange: " if rank == 0 else "all_reduce [1 x torch.float32 per rank] exchange: "
+            assert any(c.startswith(named) for c in causes), (rank, causes)
 
 
 @pytest.mark.parametrize("how, named", [
@@ -460,6 +470,45 @@ def test_a_wait_cycle_needs_every_edge_to_be_a_collective_the_peer_has_not_launc
     assert find(_Store([dict(a0, seq=9), dict(b1, gave_up=waits)]), dict(a0, seq=9)) is None
 
 
+def test_a_record_kept_after_a_cycle_verdict_goes_at_the_next_launch_in_any_group(monkeypatch):
+    """The record a rank keeps after its cycle verdict (for the peers still probing that cycle) goes at the
+    process's next launch in any of its groups, a group made since included (Note [work at a monitor's next
+    launch] in fusedist/reliability/monitor.py); a monitor with nothing pending launches through its class's
+    hook alone."""
+    import datetime
+    import weakref
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from fusedist.reliability import monitor as monitor_module, wait_cycle
+
+    class _Comm:
+        rank, world_size, timeout, last_seq, last_label = 0, 2, datetime.timedelta(seconds=20), 0, ""
+
+    def launch(monitor, seq):
+        monitor.on_launch(monitor.comm, SimpleNamespace(seq=seq, op="all_reduce", tag="t", _work=None))
+
+    store, key = dist.HashStore(), "fusedist/stall/blocked/0"
+    monkeypatch.setattr(monitor_module, "_monitors", weakref.WeakSet())
+    monkeypatch.setattr(wait_cycle, "kept", None)
+    first, second = monitor_module.CollectiveMonitor(_Comm(), "a"), monitor_module.CollectiveMonitor(_Comm(), "b")
+    assert "on_launch" not in vars(first) and "on_launch" not in vars(second)
+    record = _blocked(0, "a#0", 3, {"a#0": 3, "b#0": 0})
+    wait_cycle.keep(store, record, [[0, "a#0", 3], [1, "b#0", 1]])
+    assert store.check([key]) and wait_cycle.kept is not None
+    made_since = monitor_module.CollectiveMonitor(_Comm(), "c")
+    launch(made_since, 0)
+    assert not store.check([key]) and wait_cycle.kept is None and [h[0] for h in made_since.history] == [0]
+    wait_cycle.keep(store, record, [[0, "a#0", 3], [1, "b#0", 1]])
+    launch(second, 1)
+    assert not store.check([key]) and wait_cycle.kept is None and "on_launch" not in vars(second)
+    launch(first, 4)
+    assert "on_launch" not in vars(first) and [h[0] for h in first.history] == [4]
+    launch(made_since, 1)
+    assert all("on_launch" not in vars(m) for m in (first, second, made_since))
+
+
 class _KeyValueStore:
     """The store calls the probe and its peers make, over a dict."""
 
@@ -479,12 +528,13 @@ class _KeyValueStore:
         self.keys.pop(key, None)
 
 
-class _GroupRank:
-    """What the probe and a failed rank's publication read of a rank's monitor: one rank of a 3-rank group."""
+class _GroupRank(CollectiveMonitor):
+    """What the probe and a failed rank's publication read of a rank's monitor (and its next-launch actions): one
+    rank of a 3-rank group."""
 
     group_name, generation, check_announced = "world", 0, False
 
-    def __init__(self, store, rank):
+    def __init__(self, store, rank):  # (the monitor's own needs a communicator)
         import datetime
         import types
 

@@ -13,10 +13,11 @@ from fusedist.reliability import failed_elsewhere, stall_report
 from fusedist.reliability import monitor as monitor_module
 
 
-class _Monitor:
-    """What publishing reads of a group's monitor, and its own launch hook (which counts the launches)."""
+class _Monitor(monitor_module.CollectiveMonitor):
+    """A group's monitor with what publishing reads, without a communicator, its launch hook counting the
+    launches (the monitor's own next-launch actions run before it)."""
 
-    def __init__(self, store, rank: int):
+    def __init__(self, store, rank: int):  # (the monitor's own needs a communicator)
         self.store, self.reports, self.group_name, self.generation = store, [], "dp", 0
         self.comm = types.SimpleNamespace(rank=rank, world_size=2, last_seq=4)
         self.history, self.launched = [], []

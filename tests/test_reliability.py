@@ -632,6 +632,9 @@ def test_a_clip_on_one_rank_only_is_named_at_the_next_check(launched):
             assert f"this is rank {rank}" in text and "synchronized backward #2" in text, (name, text)
             assert "clips: ranks [0]: 0; ranks [1]: 1 -- clip_grad_norm_ was called on some ranks only" in text, \
                 (name, text)
+            # (words true of the replicas here and of a ZeRO optimizer's shards, whose clip is counted alike)
+            assert "(DDP's replicas drift apart; under a ZeRO optimizer each rank's shard was updated" in text, \
+                (name, text)
             assert "params:" not in text and "optimizer_steps:" not in text, (name, text)
             assert "the ranks were at the same point but did not run it alike" in text, (name, text)
         logged = out["logged"]

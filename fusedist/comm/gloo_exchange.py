@@ -85,6 +85,10 @@ CHUNK_BYTES = 16 << 20
 # do not when ZeRO runs RS then AG back to back (benchmarks/results/gloo_exchange_notes.md).
 
 
+#: The label of the one-element sum all-reduce that carries a communicator's barrier: its messages pair with
+#: no user all-reduce (whose labels name size, dtype and op), and its errors say "barrier".
+BARRIER_LABEL = "barrier"
+
 #: dtypes the exchange reduces; others go to gloo's builtin collectives.
 REDUCIBLE_DTYPES = (
     torch.float32, torch.float64, torch.bfloat16, torch.float16,
@@ -226,7 +230,9 @@ class GlooExchange:
 
         # Its own label: an all-reduce never pairs with an all-gather of the same tag.
         work = self.all_gather(gathered, tensor, seq, label=f"all_reduce {label}", on_success=fold)
-        work.op = _described("all_reduce", tensor)  # how its errors name it
+        # How its errors name it: a barrier's carrier as a barrier (the caller's collective), not as the
+        # one-element all-reduce it is here.
+        work.op = "barrier" if label == BARRIER_LABEL else _described("all_reduce", tensor)
         return self._writes(tensor, work)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, seq: int, label: str = "",

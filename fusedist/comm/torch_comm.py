@@ -313,7 +313,7 @@ class TorchCommunicator(Communicator):
         # Never paired with a user's one-element all-reduce (base.py's barrier): on the exchange its messages
         # have a label of their own; gloo's own barrier has its own slots.
         if self.exchange is not None and token.device.type == "cpu":
-            return self.exchange.all_reduce(token, "sum", seq=self._seq.last, label="barrier")
+            return self.exchange.all_reduce(token, "sum", seq=self._seq.last, label=gloo_exchange.BARRIER_LABEL)
         if "gloo" in str(self.backend) and token.device.type == "cpu":
             return dist.barrier(group=self.group, async_op=True)
         return self._all_reduce(token, "sum")

@@ -3,7 +3,7 @@
 Note [a clip on some ranks only]
     ``clip_grad_norm_`` called on some ranks only (a clip under ``if rank == 0``, a rank-local "clip
     when my loss spikes") scales those ranks' averaged gradients and not the others': every counter
-    of the step check agrees, the step applies different updates, and the replicas drift apart --
+    of the step check agrees, the step applies different updates, and DDP's replicas drift apart --
     seen only by the parameter digest at its period (``FUSEDIST_PARAM_CHECK_EVERY``); torch's DDP
     trains on silently. So each call of torch's ``clip_grad_norm_`` as fusedist replaces it (Note
     [torch's clip on sharded gradients] in fusedist/optim/torch_clip.py) and of
@@ -36,9 +36,12 @@ from ..ownership import watch_of
 __all__ = ["EXPLAIN", "count_clip"]
 
 #: What a difference in the clip counts means (the step check's words).
-EXPLAIN = ("clip_grad_norm_ was called on some ranks only: their averaged gradients were scaled and the others' "
-           "not, so the optimizer steps applied different updates and the replicas drift apart; clip on every "
-           "rank alike (decide from the averaged gradients, or from a flag all-reduced across ranks)")
+#: A ZeRO optimizer's clip counts on its model's watch (a DDP model's too), so the words hold for both.
+EXPLAIN = ("clip_grad_norm_ was called on some ranks only: their gradients were scaled and the others' not, so the "
+           "optimizer steps applied different updates (DDP's replicas drift apart; under a ZeRO optimizer each "
+           "rank's shard was updated as its own rank chose, some clipped and some not, into parameters that agree "
+           "across ranks yet follow no one clip); clip on every rank alike (decide from the averaged gradients, or "
+           "from a flag all-reduced across ranks)")
 
 
 def count_clip(params: list, max_norm) -> None:

@@ -33,6 +33,7 @@ launch after a published failure; nothing otherwise.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from . import monitor as _monitor
@@ -56,7 +57,8 @@ def publish(message: str) -> list:
                      "waiting_on": {"op": WAITS_IN, "tag": "", "seq": getattr(monitor.comm, "last_seq", -1) + 1}}
             if stall_report.publish(monitor.store, monitor.group_name, monitor.generation, monitor.comm.rank, entry):
                 written.append(monitor)
-                monitor.on_launch = _UntilNextLaunch(monitor, message)  # Note [a failure entry withdrawn at the ...]
+                # Note [a failure entry withdrawn at the next launch]
+                monitor.before_next_launch(_KEY, functools.partial(_withdraw_at_launch, monitor, message))
         except Exception:  # noqa: BLE001 - telling the peers is best effort; the failure itself is raised anyway
             continue
     return written
@@ -65,34 +67,25 @@ def publish(message: str) -> list:
 def withdraw(written: list) -> None:
     """Remove the entries :func:`publish` wrote (unless a real failure of the group replaced one since)."""
     for monitor in written:
-        _disarm(monitor)
+        monitor.cancel_before_next_launch(_KEY)
         if not monitor.reports:
             stall_report.withdraw(monitor.store, monitor.group_name, monitor.generation, monitor.comm.rank)
 
 
-class _UntilNextLaunch:
-    """A monitor's ``on_launch`` while this rank's failure entry stands in its group: the rank's next launch
-    there withdraws it, then the monitor's own runs (Note [a failure entry withdrawn at the next launch])."""
-
-    def __init__(self, monitor, message: str):
-        self.monitor, self.message = monitor, message
-
-    def __call__(self, comm, handle) -> None:
-        monitor = self.monitor
-        _disarm(monitor)
-        if not monitor.reports and monitor.store is not None:
-            rank = monitor.comm.rank
-            mine = (stall_report.read_entries(monitor.store, monitor.group_name, monitor.generation, [rank])
-                    or {}).get(rank) or {}
-            if mine.get("kind") == "failure" and mine.get("failed_elsewhere") == self.message:
-                stall_report.withdraw(monitor.store, monitor.group_name, monitor.generation, rank)
-        monitor.on_launch(comm, handle)
+#: The key of :func:`_withdraw_at_launch` among a monitor's next-launch actions (Note [work at a monitor's next
+#: launch] in monitor.py).
+_KEY = "failed elsewhere: this rank's failure entry"
 
 
-def _disarm(monitor) -> None:
-    """The monitor's own ``on_launch`` again (its class's)."""
-    if isinstance(vars(monitor).get("on_launch"), _UntilNextLaunch):
-        vars(monitor).pop("on_launch", None)
+def _withdraw_at_launch(monitor, message: str) -> None:
+    """At the rank's next launch in ``monitor``'s group: withdraw the failure entry that told ``message``, and
+    no other (Note [a failure entry withdrawn at the next launch])."""
+    if not monitor.reports and monitor.store is not None:
+        rank = monitor.comm.rank
+        mine = (stall_report.read_entries(monitor.store, monitor.group_name, monitor.generation, [rank])
+                or {}).get(rank) or {}
+        if mine.get("kind") == "failure" and mine.get("failed_elsewhere") == message:
+            stall_report.withdraw(monitor.store, monitor.group_name, monitor.generation, rank)
 
 
 def failure_told(error: BaseException) -> Optional[str]:

@@ -78,19 +78,45 @@ class CollectiveMonitor:
         self.probe_delay_s = divergence_probe_s() if comm.world_size > 1 else 0.0
         #: Whether this rank's ``checking`` entry is in the store (Note [a rank behind at the check]).
         self.check_announced = False
+        #: What runs once before this monitor's next launch, by key (Note [work at a monitor's next launch]).
+        self._before_launch: dict = {}
+        if wait_cycle.kept is not None:  # (a group made after a verdict: its first launch is the process's too)
+            self.before_next_launch(wait_cycle.KEPT_KEY, wait_cycle.drop_kept)
         _monitors.add(self)
 
     # ---- observer interface (see Communicator._launch / CommHandle.wait)
     def on_launch(self, comm: Communicator, handle: CommHandle) -> None:
         self.history.append((handle.seq, handle.op, handle.tag, self.step_hint))
-        if wait_cycle.kept is not None:  # Note [waits across groups in the divergence probe] in wait_cycle.py
-            wait_cycle.drop_kept()
         # Note [exchange labels in the divergence probe] in divergence.py: the label, only where it pairs the messages.
         label = comm.last_label if handle.op in _LABELLED_OPS and isinstance(handle._work, ExchangeWork) \
             and comm.last_seq == handle.seq else None
         # Note [reduce ops and roots in the divergence probe]: the variant, wherever the launch gave one.
         variant = getattr(handle, "variant", None)
         self.launch_times[handle.seq % HISTORY] = (handle.seq, time.monotonic(), label, variant)
+
+    # ---- work at the next launch (Note [work at a monitor's next launch])
+    def before_next_launch(self, key: str, action: Callable[[], None]) -> None:
+        """Run ``action()`` once, when this monitor's communicator next launches a collective, before the launch
+        is recorded: for a store record that stays true only until this rank issues its next collective. One
+        action per ``key``: a later one replaces it."""
+        self.__dict__.setdefault("_before_launch", {})[key] = action
+        self.on_launch = self._run_before_launch  # (shadows the class's on_launch until that launch)
+
+    def cancel_before_next_launch(self, key: str) -> None:
+        """Forget the action :meth:`before_next_launch` left under ``key`` (its record went another way)."""
+        pending = self.__dict__.get("_before_launch")
+        if pending:
+            pending.pop(key, None)
+        if not pending:
+            self.__dict__.pop("on_launch", None)
+
+    def _run_before_launch(self, comm: Communicator, handle: CommHandle) -> None:
+        """The launch hook while actions are pending: run them (each once), then the class's own hook."""
+        self.__dict__.pop("on_launch", None)
+        pending, self._before_launch = self._before_launch, {}
+        for action in pending.values():
+            action()
+        self.on_launch(comm, handle)
 
     def on_failure(self, comm: Communicator, handle: CommHandle, error: BaseException) -> BaseException:
         """Publish this rank's state (its first failure only: Note [one entry per rank]), gather the others',
@@ -260,6 +286,16 @@ class CollectiveMonitor:
         return stall_report.await_entries(self.store, self.group_name, self.generation, self.comm.rank,
                                           self.comm.world_size, bound)
 
+
+# Note [work at a monitor's next launch]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Some records in the store say where this rank waits, and stay true only until it issues its next collective:
+# a failure entry published for a failure outside the group's collectives (failed_elsewhere.py), a wait record
+# kept after a cycle's verdict (wait_cycle.py). Each goes at that launch. ``on_launch`` runs at every collective,
+# so it tests nothing for them: :meth:`CollectiveMonitor.before_next_launch` sets an instance attribute that
+# shadows the class's ``on_launch``, and the first launch removes it, runs the pending actions, then the
+# class's hook. This is the one place a monitor's launch hook is rebound; with nothing pending a launch costs
+# what it did without them.
 
 # Note [one entry per rank]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~

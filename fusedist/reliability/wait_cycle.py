@@ -74,18 +74,26 @@ def withdraw(store, global_rank: int) -> None:
 #: (store, global rank) of a record kept after a verdict, until this process launches its next collective.
 kept: Optional[tuple] = None
 
+#: The key of :func:`drop_kept` among the monitors' next-launch actions.
+KEPT_KEY = "wait cycle: the record kept after a verdict"
+
 
 def keep(store, entry: dict, waits: list) -> None:
     """Leave the record of a wait that ended in a verdict on the cycle of ``waits`` ([rank, group, seq] each),
     for the peers still probing it -- only for them: the process is no longer blocked. It goes when the process
-    launches a collective again."""
+    launches a collective again, in any group (Note [work at a monitor's next launch] in monitor.py)."""
     global kept
+    from .monitor import _monitors
+
     if publish(store, dict(entry, gave_up=waits)):
         kept = (store, entry["rank"])
+        for monitor in list(_monitors):
+            monitor.before_next_launch(KEPT_KEY, drop_kept)
 
 
 def drop_kept() -> None:
-    """Withdraw the record :func:`keep` left (called at the next launch; one test of ``kept`` otherwise)."""
+    """Withdraw the record :func:`keep` left: at the process's first launch after it, in any group (each monitor
+    runs this once; the later ones find nothing left), or where a new probe's record replaces it."""
     global kept
     if kept is not None:
         store, global_rank = kept

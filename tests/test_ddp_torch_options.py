@@ -83,6 +83,27 @@ def test_output_device_attribute_keeps_the_one_given_as_torch_does():
     assert device_attributes(torch.device("cpu"), None, None) == (None, None)
 
 
+def test_a_copy_keeps_device_ids_and_output_device_as_torchs_copy_does():
+    """torch's copy of a CUDA DDP model keeps ``device_ids`` and ``output_device``; fusedist's copy
+    was built without them (device_ids=None: its forwards no longer moved inputs to the device).
+    The copy's keywords, from a wrapper on cuda:1 (output_device 0), give the original's
+    attributes again; a CPU wrapper's copy takes none."""
+    from types import SimpleNamespace
+
+    from fusedist.ddp.arguments import check_device_ids, device_attributes
+    from fusedist.ddp.config import DDPConfig
+    from fusedist.ddp.copies import twin_arguments
+
+    gpu = torch.device("cuda", 1)
+    for device, ids, output in ((gpu, [1], 0), (gpu, [1], 1), (torch.device("cpu"), None, None)):
+        original = SimpleNamespace(config=DDPConfig(), device_mesh=None, process_group=None, dim=0, device=device,
+                                   device_ids=ids, output_device=output)
+        kwargs = twin_arguments(original)
+        check_device_ids(device, kwargs["device_ids"], kwargs["output_device"])
+        assert device_attributes(device, kwargs["device_ids"], kwargs["output_device"]) == (ids, output), device
+        assert ids is None or kwargs["device_ids"] is not ids  # (a list of its own, as torch's copy has)
+
+
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()

@@ -5,7 +5,10 @@
 * an optimizer kept across a re-wrap of its module still counted its steps for the dropped
   wrapper: a rank that skipped ``optimizer.step()`` was never reported;
 * one optimizer over two DDP models refused to step while only one of them had run a backward
-  ("step() was called before any backward pass"), where torch's DDP steps the trained one.
+  ("step() was called before any backward pass"), where torch's DDP steps the trained one;
+* an optimizer built over a wrapper dropped at once (the plain module trained) refused its step
+  ("not synchronized") on the ranks where no garbage collection had freed the wrapper yet, and
+  trained on the others: the outcome now is torch's on every rank, whenever collections run.
 
 The three runs share one launch of the ranks: torch's reference first (before any fusedist model
 touched the group), the interrupted rank last (its crash entry stays in the group's store).
@@ -13,6 +16,7 @@ touched the group), the interrupted rank last (its crash entry stays in the grou
 
 import gc
 import sys
+import weakref
 
 import pytest
 import torch
@@ -70,6 +74,7 @@ def _models_worker(rank, world_size, which):
         out["two_models"] = [p.detach().clone() for p in (*enc.parameters(), *head.parameters())]
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out["two_models"] = f"{type(exc).__name__}: {exc}"
+    out["dropped"] = _dropped_wrapper(rank, wrap, gen)
     if which == "torch":
         return out
 
@@ -96,11 +101,44 @@ def _models_worker(rank, world_size, which):
     return out
 
 
+def _dropped_wrapper(rank, wrap, gen):
+    """An optimizer built over a wrapper dropped at once, the plain module trained; a garbage
+    collection runs on rank 0 only (automatic ones held off), as it may in any program."""
+    from fusedist.ddp.reducer import Reducer
+
+    torch.manual_seed(1)
+    net = nn.Linear(6, 3)
+    gc.disable()
+    try:
+        model = wrap(net)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        # fusedist's engine (hooks, step watch) goes with its wrapper, not at a later collection
+        engine = weakref.ref(model.reducer) if isinstance(model.reducer, Reducer) else None
+        del model
+        if engine is not None and engine() is not None:
+            return "the dropped wrapper's engine is still alive"
+        if rank == 0:
+            gc.collect()
+        for _ in range(2):
+            opt.zero_grad()
+            net(torch.randn(4, 6, generator=gen)).pow(2).mean().backward()
+            opt.step()
+        return [p.detach().clone() for p in net.parameters()]
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        gc.enable()
+
+
 def test_step_guard_follows_rewrapped_modules_and_several_models(launched):
     ours, ref = results_of(launched, "models, fusedist"), results_of(launched, "models, torch")
     for rank in range(2):
         got, want = ours[rank]["two_models"], ref[rank]["two_models"]
         assert not isinstance(got, str), got
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+        got, want = ours[rank]["dropped"], ref[rank]["dropped"]  # torch: the plain module trains
+        assert not isinstance(got, str), f"rank {rank}: {got}"
         for x, y in zip(got, want):
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
         text = ours[rank]["rewrapped"]

@@ -66,6 +66,20 @@ def check_reduction_agrees(ddp) -> None:
     )
 
 
+class LayoutAgreementCheck:
+    """A wrapper's own listener for rebuilt bucket layouts (:func:`check_layout_agrees` over its
+    communicator). It holds the communicator only, not the wrapper: held by the wrapper's engine,
+    a bound method of the wrapper made the wrapper reach itself, so a wrapper the program dropped
+    lived on until a garbage collection, whose timing differs from rank to rank (Note [a dropped
+    wrapper goes at once] in wrapper.py)."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def __call__(self, layout) -> None:
+        check_layout_agrees(self.comm, layout)
+
+
 def check_layout_agrees(comm, layout) -> None:
     """Every rank must bucket the gradients identically, or the bucket collectives pair
     up tensors of different sizes (a gloo error or an NCCL hang). Differences come from

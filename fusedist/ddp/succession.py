@@ -7,6 +7,7 @@ take-over reaches the consumers that follow a wrapper's buckets (ZeRO's sharded 
 from __future__ import annotations
 
 from .. import ownership
+from .agreement import LayoutAgreementCheck
 from .layout import layout_of
 from .strategy import AllReduceAverage
 
@@ -17,6 +18,20 @@ def retire(ddp, reason: str) -> None:
     ddp.reducer.remove_hooks()
     if ddp._superseded_by is None:
         ddp._superseded_by = reason
+
+
+def release_engine(reducer_ref) -> None:
+    """The wrapper of the reducer ``reducer_ref`` refers to was freed: its gradient hooks come off,
+    and its observers let go of it, so that the engine goes at once as well, not at a garbage
+    collection (Note [a dropped wrapper goes at once] in wrapper.py). Held weakly: a stage-2
+    optimizer the reducer reduces into refers to the wrapper, which a strong reference from the
+    finalizer would keep alive for good."""
+    reducer = reducer_ref()
+    if reducer is None:
+        return
+    reducer.remove_hooks()
+    reducer.observers.clear()
+    reducer.check_carrier = None
 
 
 # Note [an optimizer over a module wrapped again]
@@ -61,8 +76,7 @@ def same_ranks(a, b) -> bool:
 
 def followers_of(reducer) -> list:
     """The layout listeners of ``reducer`` that are not its wrapper's own check."""
-    own = [f for f in reducer.layout_listeners if getattr(getattr(f, "__self__", None), "reducer", None) is reducer]
-    return [f for f in reducer.layout_listeners if f not in own]
+    return [f for f in reducer.layout_listeners if not isinstance(f, LayoutAgreementCheck)]
 
 
 def _can_follow(old, newer) -> bool:

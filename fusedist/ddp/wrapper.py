@@ -18,7 +18,7 @@ from .._timeline import Timeline
 from ..comm import get_communicator
 from . import dcp_names
 from . import join as _join
-from .agreement import check_layout_agrees, check_model_agrees, check_reduction_agrees
+from .agreement import LayoutAgreementCheck, check_layout_agrees, check_model_agrees, check_reduction_agrees
 from .arguments import (buffer_sync_settings, check_device_ids, group_of, module_device,
                         reduce_dtype_from_mixed_precision, refuse_dtensors, refuse_mixed_precision_casts)
 from .buffer_broadcast import BufferBroadcast
@@ -58,6 +58,20 @@ from ..reliability import engine_watch  # (the module: it imports ddp.events, se
 #
 #     A sharded optimizer built over the older wrapper follows the newer one when it can (Note
 #     [an optimizer over a module wrapped again] in succession.py).
+
+# Note [a dropped wrapper goes at once]
+#     Programs drop wrappers: ``opt = AdamW(DistributedDataParallel(net).parameters())``, a model
+#     wrapped again after its first wrapper was dropped. torch's DDP then trains the plain module
+#     (or the newer wrapper) as if the dropped one had never been. Here the parameters' owner
+#     (fusedist/ownership.py, held weakly) is the wrapper while it lives, and what the optimizer's
+#     step guard and a newer wrapper find depends on it. A wrapper reaching itself (its engine's
+#     layout listener was a bound method of it) lived on until a garbage collection, which runs
+#     at different times on different ranks: one rank found the dropped wrapper and refused the
+#     step ("not synchronized") while another trained plainly. So nothing the wrapper holds
+#     refers back to it: dropping the last reference frees it at once, on every rank at the same
+#     point of the program, and its engine's gradient hooks come off with it (the engine lets go
+#     of its observers, so it is freed too unless an observer's pending check still refers to it:
+#     that goes at a collection, with nothing left on the parameters).
 
 
 def _supersede_owners(params, newer) -> list:
@@ -237,6 +251,8 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
         # and the stall-report context (fusedist/reliability/engine_watch.py).
         self.watch = engine_watch.StepWatch(self.reducer)
         self.reducer.observers.append(self.watch)
+        # Note [a dropped wrapper goes at once]: its engine goes with it
+        weakref.finalize(self, succession.release_engine, weakref.ref(self.reducer)).atexit = False
         # an optimizer holding the ignored (rank-local) parameters steps them under this watch,
         # not as parameters no model synchronizes (Note [parameters and buffers DDP ignores])
         register_step_watch([p for _, p in self.ignored_parameters()] + self._sparse.params, self.watch)
@@ -254,7 +270,7 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
         # optimizer.step() misuse caught on the rank that makes it.
         if checks:
             check_layout_agrees(self.comm, self.reducer.layout)
-        self.reducer.layout_listeners.append(self._check_layout_agrees)
+        self.reducer.layout_listeners.append(LayoutAgreementCheck(self.comm))  # (Note [a dropped wrapper goes at once])
         if checks_enabled():
             optimizer_guard.install()
 
@@ -288,14 +304,6 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
             "and gradient hooks): pickle model.module or model.state_dict() instead; copy.deepcopy(model) "
             "makes a working copy"
         )
-
-    def _check_layout_agrees(self, layout) -> None:
-        """The engine's listener for rebuilt layouts. A method of the wrapper, not of the
-        communicator alone: the engine's gradient hooks keep it, and so the wrapper, alive
-        while they are registered, so that a newer wrapper over the same parameters finds this
-        one and retires its hooks (Note [a module wrapped again]) even when the user kept no
-        reference to it."""
-        check_layout_agrees(self.comm, layout)
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):

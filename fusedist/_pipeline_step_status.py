@@ -91,7 +91,9 @@ Note [a first-step failure told to the data-parallel peers]
     and the next step may run: its reductions withdraw the entries, so a later wait of the peers blocked past
     the probe's delay (a rank saving a checkpoint, a slow data loader) is no longer told of the old failure.
     Not withdrawn at the next step's beginning: a peer that passes the delay before that step's first
-    reduction would then go on waiting, unwarned, for a reduction of another step.
+    reduction would then go on waiting, unwarned, for a reduction of another step. That step's beginning
+    waits instead until the peers were told, so that its reductions cannot pair with theirs of the failed
+    step (Note [the next step waits until the peers were told] in _pipeline_told_peers.py).
 
 Note [a one-rank pipeline's failure told to its data-parallel peers]
     A pipeline of one rank (``pp=1``: every stage on one rank, the rank's data-parallel peers running pipelines
@@ -115,6 +117,7 @@ from ._pipeline_inference import (
     _FAILED, NOTICE_BYTES, NOTICE_WAIT_S, _notice, failure_message, notice_failure, notice_send_ops)
 from ._pipeline_notice_back import back_send_ops
 from ._pipeline_step_failures import last_schedule, put_back_gradients
+from ._pipeline_told_peers import count_published, with_the_failure_told_before
 from .reliability import failed_elsewhere
 
 
@@ -194,6 +197,7 @@ def told_at_step_end(stage, chunk: int, error: Exception, where: str, backward: 
     # Note [a pipeline's failure told to its data-parallel peers]: a wait that failed because a peer of a
     # data-parallel group failed in its pipeline tells that failure, not the wait's
     message = failed_elsewhere.failure_told(error) or failure_message(stage, chunk, error, where)
+    message = with_the_failure_told_before(stage, message)  # Note [the next step waits until the peers were told]
     return RuntimeError(fail_step(stage, message, received_zeros(stage, chunk, backward)))
 
 
@@ -278,6 +282,7 @@ def publish_failure(stage, message: str) -> None:
     fusedist/reliability/failed_elsewhere.py)."""
     if not getattr(stage, "_published_elsewhere", None):
         stage._published_elsewhere = failed_elsewhere.publish(message) or None
+        count_published(stage._published_elsewhere or [])  # Note [the next step waits until the peers were told]
 
 
 def exchange(stage, message, on_zeros: bool = False):

@@ -127,6 +127,7 @@ from ._pipeline_step_status import (
     backward_failure_told, began, micro_batches, publish_first_step_failure, put_back_buffers, several_armed,
     status_armed, step_end_failure, told_at_step_end)
 from ._pipeline_sync_switch import _sync_switch, _torch_data_parallel, _user_sync
+from ._pipeline_told_peers import wait_until_told
 from ._pipeline_vote import backward_result, forward_vote
 from .reliability import failed_elsewhere
 
@@ -339,7 +340,7 @@ class PipelineStage(_TorchPipelineStage):
         """torch's clearing at a step's beginning; after a step that raised before its end, the
         stage is put back as that step found it, or every later step is refused (Note [a step
         that raised])."""
-        schedule = schedule_stepping(self)
+        schedule, gave_up = schedule_stepping(self), None
         if schedule is not None:
             plain = self._plain_stage = _sync_switch(self.submod) is None and not _torch_data_parallel(self.submod)
             after_the_last_step(self, schedule, plain)
@@ -347,7 +348,10 @@ class PipelineStage(_TorchPipelineStage):
             if self.is_last:
                 guard_first_loss(schedule)  # Note [a first send that cannot be made, told upstream]
             wrap_step(schedule)  # Note [the targets a step was given] (_pipeline_schedule_step.py)
+            if getattr(self, "_published_elsewhere", None):  # (the last step published its failure)
+                gave_up = wait_until_told(self._published_elsewhere)  # Note [the next step waits until the peers...
         began(self, schedule is not None)  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+        self._peers_gave_up_on = gave_up
         super().clear_runtime_states()
 
     def perform_reduce_grad(self, grad_scale_factor: int):

@@ -35,6 +35,7 @@ import pytest
 import torch
 from torch import nn
 
+from fusedist._pipeline_told_peers import MARGIN_S
 from fusedist.testing import run_distributed
 from shared_rank_launch import launch_for_selected, results_of, under_env, with_fresh_compiler
 
@@ -1191,6 +1192,8 @@ def _recovered_first_step_worker(rank, world_size, seed):
         if step == 0 and pp.get_local_rank() == 1:
             y[:2] = 777  # micro-batch 0's rows, on both pipelines
         torch.distributed.barrier()
+        if step == 1 and dp.get_local_rank() == 0:
+            time.sleep(0.3 * float(PROMPT_PROBE["FUSEDIST_DIVERGENCE_PROBE_S"]))  # (pipeline 1 retries first)
         if step == 2 and rank == 3:
             time.sleep(2 * float(PROMPT_PROBE["FUSEDIST_DIVERGENCE_PROBE_S"]))  # a slow data loader
         began = time.monotonic()
@@ -1201,6 +1204,7 @@ def _recovered_first_step_worker(rank, world_size, seed):
             out["errors"].append(str(e))
         if step == 1:
             out["left"] = [name for name in _failure_entries_left() if name.endswith(suffix)]
+            out["retry seconds"] = time.monotonic() - began
         out["seconds"] = time.monotonic() - began
     return out
 
@@ -1219,7 +1223,88 @@ def test_a_caught_first_step_failure_is_not_told_to_the_peers_once_training_goes
         assert first is not None and cause in first and "shape inference" in first, (rank, first)
         assert good is None and late is None, (rank, good, late)
         assert out["left"] == [], (rank, out["left"])
+        # every pipeline failed alike: no retry waits for its peers to be told (Note [the next step waits until
+        # the peers were told] in fusedist/_pipeline_told_peers.py)
+        assert out["retry seconds"] < float(PROMPT_PROBE["FUSEDIST_DIVERGENCE_PROBE_S"]) + MARGIN_S, (rank, out)
     assert per_rank[2]["seconds"] > float(PROMPT_PROBE["FUSEDIST_DIVERGENCE_PROBE_S"]), per_rank[2]  # it waited
+
+
+def _retry_racing_peer_worker(rank, world_size, seed, steps=2):
+    """pp=2 x dp=2 under fusedist DDP, the stages' shapes inferred by the first step: pipeline 0 (global ranks 0
+    and 2) refuses micro-batch 0 of the first step (its shape inference fails), catches the error and takes the
+    next step at once, while pipeline 1 is still in its first step's reductions. Per step, this rank's error (None
+    where the step returned and the optimizer stepped) and its seconds; the stage's parameters after the last
+    step, and the unpipelined model's after no step and after one mixing pipeline 0's second step with pipeline
+    1's first."""
+    pp, dp, schedule = _dp_pipeline(seed, 2, "DistributedDataParallel", False, 0)
+    module = schedule._stage.submod.module
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    out = {"errors": [], "seconds": []}
+    for step in range(steps):
+        x, y = _dp_batch(seed + step, dp)
+        if step == 0 and dp.get_local_rank() == 0 and pp.get_local_rank() == 1:
+            y[:2] = 777  # micro-batch 0's rows, pipeline 0 only
+        began = time.monotonic()
+        try:
+            _dp_step(schedule, pp, x, y)
+            opt.step()
+            out["errors"].append(None)
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            out["errors"].append(str(e))
+        opt.zero_grad()
+        out["seconds"].append(time.monotonic() - began)
+    stage = pp.get_local_rank()
+    out["params"] = [p.detach().clone() for p in module.parameters()]
+    out["untrained"], out["offset"] = _sgd_reference(seed, stage, []), _sgd_reference(seed, stage, [(1, 0)])
+    return out
+
+
+def _sgd_reference(seed, stage, pairs) -> list:
+    """Stage ``stage``'s parameters of the 2-stage model trained unpipelined with SGD (lr 0.1), one step per pair
+    (pipeline 0's step, pipeline 1's step) on those steps' batches, as _dp_batch gives them."""
+    modules = [_stage_module(i, 2, seed) for i in range(2)]
+    whole = nn.Sequential(*modules)
+    opt = torch.optim.SGD(whole.parameters(), lr=0.1)
+    for steps in pairs:
+        batches = [_dp_batch(seed + s, _DataRank(r)) for r, s in enumerate(steps)]
+        (sum(((whole(x) - y) ** 2).mean() for x, y in batches) / len(batches)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in modules[stage].parameters()]
+
+
+class _DataRank:
+    """What _dp_batch reads of a data-parallel mesh dimension: data rank ``r``."""
+
+    def __init__(self, r):
+        self.r = r
+
+    def get_local_rank(self):
+        return self.r
+
+
+def test_a_first_step_failure_retried_at_once_is_told_before_the_next_reductions(launched4):
+    """Note [the next step waits until the peers were told] (fusedist/_pipeline_told_peers.py): pipeline 0's
+    failed first step is caught and retried at once. Its retry's reductions withdrew its failure entry before
+    pipeline 1's probe (0.5 s) read it and paired with pipeline 1's reductions of the failed step: pipeline 1's
+    first step returned, every rank applied one step mixing pipeline 0's second batch with pipeline 1's first
+    (the parameters matched that unpipelined step to 1e-8), and only the next forward's step check named it.
+    Now the retry waits until the peers were told: every rank's first step raises the failure, the retry fails
+    at once naming it, and no rank applies a step (its parameters are the unpipelined model's, untrained)."""
+    cause = "shape inference (backward) failed at stage 1 (rank 1 of the pipeline's group): ValueError: the target " \
+            "of micro-batch 0 is refused"
+    for rank, out in enumerate(results_of(launched4, "retry racing peer")):
+        first, retry = out["errors"]
+        assert first is not None and cause in first, (rank, first)
+        assert retry is not None, (rank, out["errors"])
+        if rank in (0, 2):  # (pipeline 0: its retry's reductions meet peers that gave the group up)
+            assert "had given their group up when told of its failure in the step before" in retry \
+                and cause in retry, (rank, retry)
+        else:
+            assert "the previous step raised before its end" in retry, (rank, retry)
+        assert max(out["seconds"]) < 10, (rank, out["seconds"])  # (the collective timeout: 20 s)
+        assert all(torch.equal(p, q) for p, q in zip(out["params"], out["untrained"])), (
+            rank, max((p - q).abs().max().item() for p, q in zip(out["params"], out["offset"])))
 
 
 def test_a_one_rank_pipelines_failure_fails_its_data_parallel_peers_promptly(launched2):
@@ -1584,6 +1669,8 @@ def launched4(request, tmp_path_factory):
                                            (("DistributedDataParallel", False), ("fully_shard", True)))},
         "test_a_caught_first_step_failure_is_not_told_to_the_peers_once_training_goes_on": {  # (it too)
             "recovered first step": (under_env, PROMPT_PROBE, _recovered_first_step_worker, seed)},
+        "test_a_first_step_failure_retried_at_once_is_told_before_the_next_reductions": {  # (it too)
+            "retry racing peer": (under_env, PROMPT_PROBE, _retry_racing_peer_worker, seed)},
     })
     return {"seed": seed, **launch_for_selected(request, jobs, 4, timeout=600)}
 

@@ -1,7 +1,10 @@
-"""Exit latency: what fusedist's exit hooks add to a process's exit, beyond torch's own."""
+"""Exit: what fusedist's exit hooks do after ``destroy_process_group()`` -- stop every thread they
+started, and free the destroyed group while the interpreter still runs (Note [a released
+communicator that outlives the exit hooks] in fusedist/comm/__init__.py)."""
 
 import gc
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -9,11 +12,10 @@ import torch.distributed as dist
 from fusedist.testing import run_distributed
 
 
-def _drain_after_destroy(rank, world):
+def _train_and_drop(rank, world):
+    """A training ``main`` that returns: its DDP model goes with its frame."""
     from fusedist import DistributedDataParallel
-    from fusedist.comm import _drain_at_exit
 
-    before = set(threading.enumerate())
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(8, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -26,6 +28,14 @@ def _drain_after_destroy(rank, world):
     for i, w in enumerate(weights):
         dist.all_gather([g[i] for g in gathered], w)
     assert all(torch.equal(a, b) for g in gathered for a, b in zip(g, weights)), "replicas differ"
+
+
+def _drain_after_destroy(rank, world):
+    from fusedist.comm import _drain_at_exit
+
+    before = set(threading.enumerate())
+    _train_and_drop(rank, world)
+    group = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()
 
     full = []
@@ -35,12 +45,13 @@ def _drain_after_destroy(rank, world):
         _drain_at_exit()  # what runs at interpreter exit
     finally:
         gc.callbacks.remove(callback)
-    # the interpreter's finalization collects right after the exit hooks: a second full
-    # collection here only delays the exit
-    assert not full, f"rank {rank}: the exit drain ran {len(full)} full garbage collection(s)"
+    # the interpreter's own collection comes after it is marked finalizing, when freeing a gloo
+    # group can abort the process: the group must be gone before the exit hooks return
+    assert group() is None, f"rank {rank}: the destroyed group outlived the exit drain"
+    assert len(full) <= 1, f"rank {rank}: the exit drain ran {len(full)} full garbage collections"
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     assert not left, f"rank {rank}: threads still running after the exit drain: {left}"
 
 
-def test_exit_drain_after_destroy_stops_threads_without_a_second_collection():
+def test_exit_drain_after_destroy_stops_threads_and_frees_the_group():
     run_distributed(_drain_after_destroy, 2, timeout=60)

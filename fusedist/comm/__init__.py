@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -156,20 +157,46 @@ def _aborted_error(comm: Communicator) -> CollectiveError:
 def release_destroyed_groups(collect: bool = True) -> int:
     """Forget (and stop the helper threads of) the cached communicators whose process group
     ``torch.distributed`` has destroyed; returns how many. Runs on every
-    :func:`get_communicator` call and at interpreter exit (there with ``collect=False``: the
-    interpreter's finalization runs a full collection of its own right after the exit hooks,
-    and a second one costs a large fraction of a second once torch's compiler stack is loaded)."""
+    :func:`get_communicator` call and at interpreter exit (there with ``collect=False``: a
+    collection only where a released communicator outlived its release, Note [a released
+    communicator that outlives the exit hooks])."""
     stale = [key for key, (group, _) in _cache.items() if not _is_registered(group)]
+    survivors = []
     for key in stale:
         # Note [draining at exit]: nothing left running behind the release. The direct-NCCL
         # communicator also destroys its NCCL communicator here (one per rebuilt group would
         # otherwise leak) and hands its comm stream back.
-        _release(_cache.pop(key)[1])  # (no local name: it would hold the group through gc below)
-    if stale and collect:
+        group, comm = _cache.pop(key)
+        _release(comm)
+        survivors.append(_weak(group))
+        del group, comm  # (no local name: it would hold the group through gc below)
+    if stale and (collect or any(ref() is not None for ref in survivors)):
         # A DDP model or ZeRO optimizer and its communicator form reference cycles; collect
         # them now, while the interpreter runs, rather than at its shutdown.
         gc.collect()
     return len(stale)
+
+
+def _weak(group):
+    """A weak reference to ``group`` (the default group is cached as None: a reference to nothing)."""
+    try:
+        return weakref.ref(group)
+    except TypeError:
+        return lambda: None
+
+
+# Note [a released communicator that outlives the exit hooks]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The exit hook skipped the collection: the interpreter's finalization collects after the exit
+# hooks anyway, and a full collection costs a large fraction of a second once torch's compiler
+# stack is loaded. But that collection runs after the interpreter is marked finalizing, when a
+# thread that takes the GIL exits on the spot: a gloo group freed there (a DDP engine and its
+# step watch left in a reference cycle once the program's ``main`` returned hold its
+# communicator, and so the group) joins workers that need the GIL to drop their last work, and
+# the process aborts after the program finished ("terminate called without an active
+# exception": once in a fresh-clone run of the demo's DDP job). So the exit hook collects where
+# a released communicator's group is still alive after the release -- something still holds it --
+# and only there: a program whose groups went with their models pays nothing.
 
 
 def _is_registered(group) -> bool:
@@ -218,6 +245,7 @@ def _drain_at_exit() -> None:
         if not given_up_exit.skips_waits(comm):
             comm.settle_at_exit(min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
         _drain(comm)
+    comm = None  # (the loop's last one would hold its group through the release below)
     release_destroyed_groups(collect=False)
     from .watched_wait import stop_watcher
 

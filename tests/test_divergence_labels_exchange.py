@@ -213,15 +213,15 @@ def _verdict_on(rank):
     from fusedist.comm import torch_comm
     from fusedist.reliability import divergence
 
-    close, diverged_at = torch_comm._close_connections, divergence.diverged
+    close, diverged_at = torch_comm.close_connections, divergence.diverged
     if dist.get_rank() == rank:
-        torch_comm._close_connections = lambda *args: (close(*args), time.sleep(0.3))
+        torch_comm.close_connections = lambda *args: (close(*args), time.sleep(0.3))
     else:
         divergence.diverged = lambda entries: None
     try:
         yield
     finally:
-        torch_comm._close_connections, divergence.diverged = close, diverged_at
+        torch_comm.close_connections, divergence.diverged = close, diverged_at
 
 
 @pytest.fixture(scope="module")

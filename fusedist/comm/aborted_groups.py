@@ -17,15 +17,9 @@ Note [aborting a group closes its connections]
 
 from __future__ import annotations
 
-import datetime
 import threading
 import weakref
 
-import torch
-
-#: The tag of the receive that closes an aborted group's connections: no message ever carries it (the
-#: exchange's tags lie in [2**30, 2**31), user traffic at small tags).
-_CLOSING_TAG = (1 << 30) - 2
 _ABORTED = "aborted its process groups (torch.distributed's _abort_process_group), which closed the group's connections"
 
 _lock = threading.Lock()
@@ -93,23 +87,11 @@ def _close_aborted(groups: list) -> None:
 
 
 def _close_connections(group) -> None:
-    """A receive from every peer that nobody sends, waited for a millisecond: gloo answers the timeout by
-    closing the group's connections. Never raises."""
+    """Close the aborted ``group``'s gloo connections as an abandoned collective's are closed."""
+    from .torch_comm import close_connections  # (here: torch_comm imports what imports this module)
+
     try:
-        backend = group._get_backend(torch.device("cpu"))
         rank, size = group.rank(), group.size()
-    except Exception:  # noqa: BLE001 - not a gloo group (NCCL's abort ends its own work)
+    except Exception:  # noqa: BLE001 - nothing left to close
         return
-    works = []
-    for peer in range(size):
-        if peer == rank:
-            continue
-        try:
-            works.append(backend.recv([torch.empty(1)], peer, _CLOSING_TAG))
-        except Exception:  # noqa: BLE001 - that connection closed already
-            pass
-    for work in works:
-        try:
-            work.wait(datetime.timedelta(milliseconds=1))
-        except Exception:  # noqa: BLE001 - the timeout that closes the connections
-            pass
+    close_connections(group, rank, size)

@@ -219,7 +219,7 @@ class TorchCommunicator(Communicator):
                 # (a program that catches the error and ends by sys.exit(n) ends at once, with n)
                 given_up_exit.watch_exit_requests()
             if abandoned and not work.is_completed():  # Note [closing the connections of an abandoned collective]
-                _close_connections(self.group, self.rank, self.world_size)
+                close_connections(self.group, self.rank, self.world_size)
         first = self.aborted and self._stopped_at is None  # (Note [refusing collectives of a given-up communicator])
         if first:
             named = isinstance(error, CollectiveError) and error.seq >= 0
@@ -269,7 +269,7 @@ class TorchCommunicator(Communicator):
             return False
         if isinstance(work, gloo_exchange.ExchangeWork):
             work.ended_by = verdict  # (what its error, and the entry its peers read, say)
-        _close_connections(self.group, self.rank, self.world_size)
+        close_connections(self.group, self.rank, self.world_size)
         return True
 
     def _check_group_alive(self, op: str, tag: str) -> None:
@@ -515,16 +515,22 @@ _GROUP_FAILURES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _CLOSING_TAG = (1 << 30) - 1
 
 
-def _close_connections(group, rank: int, world_size: int) -> None:
-    """Close ``group``'s gloo connections (Note [closing the connections of an abandoned collective]);
-    never raises."""
+def close_connections(group, rank: int, world_size: int) -> None:
+    """Close ``group``'s gloo connections (Note [closing the connections of an abandoned collective]):
+    a receive from every peer that nobody sends, waited for a millisecond -- gloo answers the timeout
+    by closing them. Through the group's backend, so it works on a group torch.distributed has already
+    forgotten too (Note [aborting a group closes its connections] in aborted_groups.py); ``rank`` and
+    ``world_size`` are the group's. Never raises."""
+    try:
+        backend = (group if group is not None else dist.group.WORLD)._get_backend(torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - not a gloo group (NCCL's abort ends its own work), or gone
+        return
     works = []
     for peer in range(world_size):
         if peer == rank:
             continue
         try:
-            works.append(dist.irecv(torch.empty(1), group=group, tag=_CLOSING_TAG,
-                                    **({"group_src": peer} if group is not None else {"src": peer})))
+            works.append(backend.recv([torch.empty(1)], peer, _CLOSING_TAG))
         except Exception:  # noqa: BLE001 - a connection closed already
             pass
     for work in works:

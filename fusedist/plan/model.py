@@ -100,7 +100,8 @@ import dataclasses
 from typing import Optional
 
 from .errors import PlanError
-from .norm_bytes import block_norm_bytes, final_norm_bytes
+from .latent_bytes import latent_projection_bytes
+from .norm_bytes import block_norm_bytes, block_norm_weight_bytes, final_norm_bytes, final_norm_weight_bytes
 
 ARCHS = ("gpt", "llama")  # the shape flags' --arch
 BLOCKS = (*ARCHS, "falcon")  # and what a config.json may give
@@ -478,8 +479,10 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     router's fp32 probabilities, the routing's indices and weights and, for each routed
     expert it goes to, its copy of the input, the SwiGLU's four tensors and the expert's
     output (and the shared expert's four; :func:`_moe_mlp_tensors`); q/k norms, sandwich
-    norms and latent attention's two norms keep what a norm keeps; soft-capping keeps tanh's
-    output (Note [soft-capping]).
+    norms and latent attention's two norms keep what a norm keeps, Gemma's norms also an fp32
+    ``1 + weight`` each a micro-batch; latent attention's up-projections keep their inputs,
+    the normalised compressed queries and keys/values (Note [what latent attention keeps] in
+    latent_bytes.py); soft-capping keeps tanh's output (Note [soft-capping]).
     """
     if not spec.has_shape:
         return None
@@ -511,7 +514,8 @@ def output_side_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: st
     word = 4 if precision == "fp32" else 2
     sb = seq * micro_batch
     capped = word * sb * spec.vocab if spec.final_softcap is not None else 0  # tanh's output (Note [soft-capping])
-    return sb * (final_norm_bytes(spec, word) + word * spec.hidden) + 4 * sb * spec.vocab + capped
+    once = final_norm_weight_bytes(spec)  # Gemma's fp32 1 + weight (Note [what a norm keeps])
+    return sb * (final_norm_bytes(spec, word) + word * spec.hidden) + 4 * sb * spec.vocab + capped + once
 
 
 def recomputed_layer_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
@@ -532,12 +536,14 @@ def _block_bytes(spec: ModelSpec, b: int, s: int, precision: str, kept: str) -> 
     v_dim = spec.o_dim if spec.kv_lora_rank is not None else spec.kv_dim  # latent attention: V per head
     attn = h + spec.q_dim + spec.kv_dim + v_dim + spec.o_dim  # q/k/v input, Q, K, V and o's input
     norms = block_norm_bytes(spec, word)  # the norms' tensors, q/k norms' too (Note [what a norm keeps])
+    norms += latent_projection_bytes(spec, word)  # q_b's and kv_b's inputs (Note [what latent attention keeps])
+    once = block_norm_weight_bytes(spec)  # Gemma's fp32 1 + weight, once a forward (Note [what a norm keeps])
     masks = 2 * h  # attention output and MLP dropout masks, 1 byte each
 
     def per_layer(mlp, other=0):
         if kept == "full":
             return word * sb * h
-        n = word * sb * (attn + mlp) + sb * (norms + masks + other)
+        n = word * sb * (attn + mlp) + sb * (norms + masks + other) + once
         if kept != "selective":
             # softmax output, dropout output (2 bytes each in 16-bit), dropout mask (1 byte)
             n += (2 * word + 1) * a * s * s * b

@@ -13,13 +13,17 @@ Note [what a norm keeps]
     token. DeepSeek-V2/V3's latent attention normalises its compressed rows too: an RMSNorm of
     ``q_lora_rank`` (where the queries are compressed) and one of ``kv_lora_rank``, a row of each
     a token (in fp32 the latter's rows are a slice of ``kv_a_proj_with_mqa``'s output, whose
-    rotary ``4·rope_head_dim`` bytes beside them stay too and are not counted).
+    rotary columns stay with them: Note [what latent attention keeps] in latent_bytes.py).
 
     Gemma's RMSNorm (transformers' GemmaRMSNorm, and Gemma-2's and Gemma-3's, the same code)
     normalises the fp32 rows, multiplies them by ``1 + weight`` in fp32 and only then casts back:
     autograd keeps the fp32 rows, the fp32 ``rstd`` and the fp32 normalised rows, ``8·width + 4``
-    bytes a row in bf16 as in fp32 (``2·h`` more than Llama's in bf16). The fp32 ``1 + weight``
-    it also keeps is one per norm, not per token, and is left out.
+    bytes a row in bf16 as in fp32 (``2·h`` more than Llama's in bf16). The product also keeps
+    its other factor, the fp32 ``1 + weight`` (``weight.float()`` and the sum keep nothing):
+    ``4·width`` bytes each time a norm runs, whatever the tokens, so one copy a norm for each
+    micro-batch in flight, counted per block and for the final norm apart from the per-token
+    bytes. Each tensor-parallel rank keeps it whole; the planner divides it by ``t`` with the
+    rest of the block (at most ``4·(4·h + 2·head_dim)`` bytes a block a micro-batch).
 
     torch's ``nn.RMSNorm`` is not what is counted, nor used by --measure: on CUDA it runs a
     fused kernel that keeps the input and ``rstd`` (``2·h + 4`` in bf16), elsewhere its
@@ -74,3 +78,17 @@ def final_norm_bytes(spec, word: int) -> int:
     if spec.arch == "llama":
         return rms_norm_bytes(spec.hidden, 1, word, spec.gemma_norm)
     return layer_norm_bytes(spec.hidden, word)
+
+
+def block_norm_weight_bytes(spec) -> int:
+    """Bytes one block's Gemma norms keep once a forward, not per token: each one's fp32
+    ``1 + weight`` (Note [what a norm keeps]); 0 for other norms."""
+    if spec.arch != "llama" or not spec.gemma_norm:
+        return 0
+    count = 4 if spec.sandwich_norm else 2
+    return _FP32 * (count * spec.hidden + 2 * spec.head_size * spec.qk_norm)
+
+
+def final_norm_weight_bytes(spec) -> int:
+    """Bytes the final norm keeps once a forward: Gemma's fp32 ``1 + weight``, else nothing."""
+    return _FP32 * spec.hidden if spec.arch == "llama" and spec.gemma_norm else 0

@@ -350,14 +350,17 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
     if spec.has_shape and spec.arch == "llama":  # Note [what a norm keeps] in norm_bytes.py
         inputs["assumptions"]["activations"] += (
             "; an RMSNorm keeps its rows in fp32, the normalised rows in fp32 and an fp32 rstd a row (Gemma's "
-            "RMSNorm, which multiplies by 1 + weight before the cast back: 8h + 4 bytes a token in bf16 and fp32)"
+            "RMSNorm, which multiplies by 1 + weight before the cast back: 8h + 4 bytes a token in bf16 and fp32, "
+            "and that fp32 1 + weight once a norm for each micro-batch)"
             if spec.gemma_norm else
             "; an RMSNorm keeps its rows in fp32, the normalised rows and an fp32 rstd a row (transformers' "
             "Llama RMSNorm: 6h + 4 bytes a token in bf16, where a LayerNorm keeps its 2h input)")
         if spec.kv_lora_rank is not None:
             inputs["assumptions"]["activations"] += (
                 "; latent attention's RMSNorms of its compressed keys/values (kv_lora_rank) and queries "
-                "(q_lora_rank) keep the same, a row of their width a token")
+                "(q_lora_rank) keep the same, a row of their width a token, and its up-projections "
+                "(kv_b_proj, q_b_proj) keep their inputs, those norms' outputs (in fp32 also the rotary "
+                "columns of kv_a_proj_with_mqa's output)")
     if spec.windowed_layers(job.seq):
         inputs["assumptions"]["activations"] += ("; a sliding window stores the same tensors (the unfused "
                                                  "softmax is s x s whatever the mask)")

@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = [
     "register_data_parallel", "data_parallel_owner", "register_wrapped_module", "wrapping_owner",
     "register_gradient_holder", "gradient_holder", "any_gradient_holder", "gradient_holders_of", "held_parameters",
-    "register_step_watch", "step_watch", "release",
+    "register_step_watch", "step_watch", "release", "wrapper_dropped",
 ]
 
 _data_parallel: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -71,6 +71,15 @@ def wrapping_owner(p) -> Optional[object]:
     """The DDP wrapper whose module holds ``p``, trainable or not (None without one): how a
     ZeroRedundancyOptimizer of a module frozen whole finds its model."""
     return _lookup(_wrapping, p)
+
+
+def wrapper_dropped(p) -> bool:
+    """Whether a DDP wrapper wrapped the module holding ``p`` and nothing holds that wrapper any more
+    (its registration outlives it): how a ZeroRedundancyOptimizer tells "dropped" from "never wrapped"."""
+    if not _wrapping:
+        return False
+    ref = _wrapping.get(p)
+    return ref is not None and ref() is None
 
 
 def data_parallel_owner(p) -> Optional[object]:

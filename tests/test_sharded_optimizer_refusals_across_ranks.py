@@ -12,7 +12,9 @@ offload refuses amsgrad / differentiable / capturable in the added group when it
 refused only at ``step()``, or taken), on every rank alike, and adds nothing. An optimizer built
 (and a group added) alike trains as torch's AdamW on the global batch. Parameters on several devices
 (a layer left on the meta device) are refused at construction, naming the parameter and both
-devices, as fusedist DDP refuses them.
+devices, as fusedist DDP refuses them. Without a DDP model, gradients that differ across ranks (nobody
+averaged them; a DDP wrapper nobody kept) are refused at the first step, and stage 2 over a dropped wrapper
+at construction, saying what to do.
 
 Tolerance 1e-5 absolute: 3 AdamW steps (lr 0.01, eps 1e-3) in fp32 on parameters of magnitude
 ~0.5; the host Adam and torch's differ in summation order and fused arithmetic (~1e-7).
@@ -123,11 +125,84 @@ def _added_with_offload(rank, world, seed):
             "diffs": _train_against_torch(rank, world, seed, model, ref, zopt, ropt)}
 
 
+def _gradients_nobody_averaged(rank, world, seed):
+    """A model not wrapped in DDP, each rank backward-ing its own part of the batch: the first step is
+    refused on every rank (the parameters unchanged); averaged by hand, the same step and the next match
+    torch's ZeroRedundancyOptimizer fed the same averaged gradients, and only the refused step and the
+    first one that found the gradients alike compare them."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    import fusedist
+    from fusedist.zero import grad_agreement
+
+    torch.manual_seed(seed)
+    model = _net()
+    theirs = copy.deepcopy(model)
+    zopt = fusedist.ZeroRedundancyOptimizer(model.named_parameters(), optimizer_class=torch.optim.AdamW,
+                                           lr=0.01, eps=1e-3)
+    topt = TorchZero(theirs.parameters(), torch.optim.AdamW, lr=0.01, eps=1e-3)
+    comm, tags = zopt.comm, []
+    all_reduce = comm.all_reduce
+
+    def counted(tensor, **kw):
+        tags.append(kw.get("tag"))
+        return all_reduce(tensor, **kw)
+
+    comm.all_reduce = counted  # (the communicator is shared: restored below)
+    out, diffs = {}, []
+    try:
+        before = [p.detach().clone() for p in model.parameters()]
+        for step in range(3):
+            g = torch.Generator().manual_seed(seed * 31 + step)
+            x, y = torch.randn(world * 2, 5, generator=g), torch.randn(world * 2, 3, generator=g)
+            own = slice(2 * rank, 2 * rank + 2)
+            for m, o in ((model, zopt), (theirs, topt)):
+                o.zero_grad()
+                nn.functional.mse_loss(m(x[own]), y[own]).backward()
+            if step == 0:
+                out["error"] = models.raised_timed(zopt.step)
+                out["unchanged"] = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+            for p in list(model.parameters()) + list(theirs.parameters()):
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            zopt.step()
+            topt.step()
+            diffs.append(max(float((p - q).abs().max()) for p, q in zip(model.parameters(), theirs.parameters())))
+    finally:
+        del comm.all_reduce
+    out["diffs"] = diffs
+    out["comparisons"] = tags.count(grad_agreement.OP)
+    return out
+
+
+def _dropped_wrapper(rank, world, seed):
+    """A fusedist DDP wrapper nobody keeps (the optimizer built from ``DDP(net).parameters()``): freed at
+    once, its hooks with it. Stage 2 is refused at construction, stage 1 at its first step (each rank's
+    own, unaveraged gradients); both say to keep a reference to the wrapper."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    net = _net()
+    errors = {"stage 2": models.raised_timed(lambda: fusedist.ZeroRedundancyOptimizer(
+        fusedist.DistributedDataParallel(net).parameters(), torch.optim.AdamW, stage=2, lr=0.01))[0]}
+    opt = fusedist.ZeroRedundancyOptimizer(fusedist.DistributedDataParallel(net).parameters(), torch.optim.AdamW,
+                                          lr=0.01)
+    x = torch.randn(2, 5, generator=torch.Generator().manual_seed(seed + rank))
+    net(x).square().mean().backward()
+    errors["stage 1"] = models.raised_timed(opt.step)[0]
+    return errors
+
+
 SCENARIOS = {
     "test_construction_refused_on_one_rank_fails_every_rank_at_once": {
         "constructed": (_constructed_on_one_rank, (SEED,))},
     "test_offloaded_group_refused_when_added_on_every_rank": {
         "added": (_added_with_offload, (SEED + 1,))},
+    "test_gradients_nobody_averaged_are_refused_and_averaged_ones_step_as_torch": {
+        "unaveraged": (_gradients_nobody_averaged, (SEED + 2,))},
+    "test_a_dropped_wrapper_is_refused_saying_to_keep_a_reference": {
+        "dropped wrapper": (_dropped_wrapper, (SEED + 3,))},
 }
 
 
@@ -178,3 +253,44 @@ def test_offloaded_group_refused_when_added_on_every_rank(launched):
             assert "ranks [1]: this rank's own refusal of its arguments" in error and name in error, error
         assert result["groups_after"] == 1
         assert max(result["diffs"]) < TOL, result["diffs"]
+
+
+def test_gradients_nobody_averaged_are_refused_and_averaged_ones_step_as_torch(launched):
+    """Without a DDP model each rank stepped its slice of the flat parameters with its own gradients: a
+    parameter cut by the shard boundary (0.weight, 35 of 66 elements) ended a mix of both ranks' updates,
+    matching neither torch's ZeroRedundancyOptimizer (each parameter stepped whole by its owner) nor any
+    rank's step. Now the first step compares the gradients (Note [gradients nobody averaged] in
+    fusedist/zero/grad_agreement.py) and refuses, on every rank at once, naming the parameter and the ranks;
+    averaged by hand, the steps match torch's, and the run compares in those two steps only."""
+    per_rank = results_of(launched, "unaveraged")
+    for rank, result in enumerate(per_rank):
+        error, seconds = result["error"]
+        assert seconds < PROMPT_S, (rank, seconds, error)
+        assert error is not None and error.startswith(
+            f"RuntimeError: ZeroRedundancyOptimizer (rank {rank}): gradients differ across ranks at parameter 0 "
+            "('0.weight', shape (7, 5)) (other values: rank 0 has a gradient of norm "), error
+        assert ", rank 1 a gradient of norm " in error and "nothing was stepped" in error, error
+        assert "Wrap the model in fusedist.DistributedDataParallel" in error, error
+        assert error.replace(f"(rank {rank})", "") == per_rank[0]["error"][0].replace("(rank 0)", "")
+        assert result["unchanged"], rank
+        assert max(result["diffs"]) < TOL, result["diffs"]
+        assert result["comparisons"] == 2, result["comparisons"]
+
+
+def test_a_dropped_wrapper_is_refused_saying_to_keep_a_reference(launched):
+    """Note [a dropped wrapper] in fusedist/zero/wiring.py: stage 2 told the user to wrap the model,
+    which they had done; stage 1 stepped each rank's own gradients."""
+    keep = ("Keep a reference to the DistributedDataParallel wrapper (model = fusedist.DistributedDataParallel(net)), "
+            "run the forward through it, and build the optimizer from its parameters")
+    for rank, errors in enumerate(results_of(launched, "dropped wrapper")):
+        assert errors["stage 2"] == (
+            f"ValueError: ZeroRedundancyOptimizer(stage=2) (rank {rank}): the fusedist.DistributedDataParallel "
+            "wrapper of these parameters was dropped: nothing kept a reference to it, so it was freed and its "
+            f"backward hooks, which reduce-scatter the gradients, came off. {keep}; or use stage=1."), errors
+        stage1 = errors["stage 1"]
+        assert stage1 is not None and stage1.startswith(
+            f"RuntimeError: ZeroRedundancyOptimizer (rank {rank}): gradients differ across ranks at parameter 0 "
+            "(shape (7, 5))"), stage1
+        assert stage1.endswith(
+            "The fusedist.DistributedDataParallel wrapper of these parameters was dropped: nothing kept a reference "
+            f"to it, so it was freed and its backward hooks, which average the gradients, came off. {keep}."), stage1

@@ -95,8 +95,10 @@ def _rank_without_gradients(rank, world_size, offload):
                                            offload=offload, lr=1e-2)
     for step in range(3):
         opt.zero_grad(set_to_none=True)
-        if not (rank == 1 and step == 1):  # (no DDP model: each rank's gradients are its own)
-            g = torch.Generator().manual_seed(10 * step + rank)
+        if not (rank == 1 and step == 1):  # (no DDP model: rank 1 alone has no gradients in step 1)
+            # (the same batch on every rank: the first step refuses gradients that differ across ranks,
+            # Note [gradients nobody averaged] in fusedist/zero/grad_agreement.py)
+            g = torch.Generator().manual_seed(10 * step)
             model(torch.randn(4, 16, generator=g)).square().mean().backward()
         opt.step()
     return _flat(model)

@@ -11,6 +11,7 @@ stepped, stepped with the wrong group's hyperparameters, given another parameter
 a non-averaged gradient is caught, as is an old parameter whose state moved.
 """
 
+import copy
 import os
 
 import pytest
@@ -208,6 +209,58 @@ def test_parameters_joining_after_construction_match_unsharded(world_size, reque
                 assert item["state_diff"] < TOL, item
 
 
+def _gradients_apart_worker(rank, world_size):
+    """Without a DDP model, 3 ranks, parameters cut by the shard boundaries (63 elements, 21 a rank): rank 2
+    alone backward-s another batch; the same batch everywhere but rank 1 without the last bias's gradient;
+    rank 0 alone with an inf. Each first step is refused on every rank (Note [gradients nobody averaged] in
+    fusedist/zero/grad_agreement.py); then the same gradients everywhere step as torch's AdamW on them."""
+    import fusedist
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3))
+    ref = copy.deepcopy(model)
+    opt = fusedist.ZeroRedundancyOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def backward(m, seed):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+        m.zero_grad()
+        m(x).square().mean().backward()
+
+    errors = {}
+    for case in ("rank 2 apart", "rank 1 without a gradient", "rank 0 with an inf"):
+        backward(model, 1 if case == "rank 2 apart" and rank == 2 else 0)
+        if case == "rank 1 without a gradient" and rank == 1:
+            model[2].bias.grad = None
+        if case == "rank 0 with an inf" and rank == 0:
+            model[0].bias.grad[1] = float("inf")
+        errors[case] = models.raised_timed(opt.step)[0]
+    backward(model, 0)
+    backward(ref, 0)
+    opt.step()
+    ref_opt.step()
+    return {"errors": errors, "diff": (_flat(model) - _flat(ref)).abs().max().item()}
+
+
+def test_gradients_apart_on_one_of_three_ranks_are_refused(launched3):
+    """The error names the first parameter whose gradients differ and two ranks that differ there."""
+    expected = {
+        "rank 2 apart": "parameter 0 ('0.weight', shape (5, 8)) (other values: rank 0 has a gradient of norm ",
+        "rank 1 without a gradient": "parameter 3 ('2.bias', shape (3,)) (a gradient on some ranks only: rank 0 "
+                                     "has a gradient of norm ",
+        "rank 0 with an inf": "parameter 1 ('0.bias', shape (5,)) (inf/nan on some ranks only: rank 0 has a "
+                              "gradient holding inf/nan, rank 1 a gradient of norm ",
+    }
+    for rank, result in enumerate(results_of(launched3, "gradients apart")):
+        for case, text in expected.items():
+            error = result["errors"][case]
+            assert error is not None and error.startswith(
+                f"RuntimeError: ZeroRedundancyOptimizer (rank {rank}): gradients differ across ranks at {text}"), error
+        assert ", rank 2 a gradient of norm " in result["errors"]["rank 2 apart"]
+        assert ", rank 1 no gradient)" in result["errors"]["rank 1 without a gradient"]
+        assert result["diff"] < TOL, result["diff"]
+
+
 # The 2-rank cases share one launch (both workers select the torch kernel backend and build
 # their own models); the 3-rank one has its own.
 @pytest.fixture(scope="module")
@@ -222,4 +275,5 @@ def launched2(request):
 def launched3(request):
     return launch_for_selected(request, {
         "test_parameters_joining_after_construction_match_unsharded": {"grow": (_grow_worker, ())},
+        "test_gradients_apart_on_one_of_three_ranks_are_refused": {"gradients apart": (_gradients_apart_worker, ())},
     }, 3, timeout=400)

@@ -23,7 +23,8 @@ where they keep state of their own:
   the step and the clip run eagerly under ``torch.compile``;
 * ``grow.py`` -- parameters joining after construction (``trainable_check.py``: the ranks compare
   them first); ``grad_sync.py`` -- the stage-2 reduce-scatter; ``offload.py`` -- ZeRO-Offload;
-  ``join.py`` -- uneven inputs (its join hook).
+  ``join.py`` -- uneven inputs (its join hook); ``grad_agreement.py`` -- gradients compared across
+  ranks at the first step without a DDP model.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch.optim import Optimizer
 
 from .._rank import this_rank
 from ..optim.elementwise import check_elementwise
-from . import copies, deferred_stage2, grad_sync, grow, param_checks, step_flag, step_refusals, wiring
+from . import copies, deferred_stage2, grad_agreement, grad_sync, grow, param_checks, step_flag, step_refusals, wiring
 from . import state as zstate
 from .empty_params import EmptyParams
 from .eager import eager_step
@@ -71,8 +72,10 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       DDP all-reduces, each rank updates its slice, the updated slices are all-gathered per
       bucket. Stage 2: DDP reduce-scatters each bucket as it becomes ready (Note [stage 2
       gradients] in ``grad_sync.py``); ``no_sync()`` works. Without DDP (stage 1 only) the
-      gradients must already be synchronized (e.g. torch DDP, or a single process); so are a DDP model's
-      in stage 1 with a *subset* of its parameters (Note [a subset of a DDP model's parameters] in wiring.py).
+      gradients must already be synchronized (e.g. torch DDP, or a single process) -- the first step
+      checks that they are, and refuses ones that differ across ranks (Note [gradients nobody averaged] in
+      grad_agreement.py) --; so are a DDP model's in stage 1 with a *subset* of its parameters (Note [a subset
+      of a DDP model's parameters] in wiring.py).
     * The shards are built at construction (DDP's bucket layout is fixed from then on, Note
       [layout fixed by a sharded consumer] in ``fusedist/ddp/rebucket.py``); the first ``step()``
       (or a load) creates the optimizer state and re-points every parameter's storage into one
@@ -201,6 +204,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         # Note [stage 2 completed by add_param_group] in deferred_stage2.py
         self._stage2_pending = None if stage != 2 or subset_of is None else deferred_stage2.record_pending(
             subset_of, self._params, max_buckets_in_flight, overlap_param_gather)
+        # a subset of a DDP model's parameters: the model averages their gradients (Note [gradients nobody averaged])
+        self._averaged_by_model = subset_of is not None
         self.rank = self.comm.rank if self.comm is not None else 0
         self.world_size = self.comm.world_size if self.comm is not None else 1
         self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
@@ -299,7 +304,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
 
     def _param_name(self, index: int) -> str:
         """``parameter <index> ('<name in the DDP model>', shape ...)`` for error messages: the
-        name as the model's own code spells it (without torch.compile's ``_orig_mod.``)."""
+        name as the model's own code spells it (without torch.compile's ``_orig_mod.``), or as given
+        with the parameters (``model.named_parameters()``)."""
         from ..checkpoint._names import canonical_key
 
         p = self._params[index]
@@ -307,6 +313,11 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         if self.ddp is not None:
             module = self.ddp.module
             name = next((canonical_key(module, n) for n, q in module.named_parameters() if q is p), None)
+        if name is None:  # given as named parameters (torch's optimizers keep their names in the groups)
+            group = self.param_groups[self._group_of[index]]
+            names = group.get("param_names")
+            if names is not None and len(names) == len(group["params"]):
+                name = names[index - self._group_of.index(self._group_of[index])]
         label = f"parameter {index}" + (f" ('{name}'" if name else " (")
         return f"{label}{', ' if name else ''}shape {tuple(p.shape)})"
 
@@ -364,6 +375,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             self._follow_model_buckets()  # Note [the buckets of a newer wrapper] in shards.py
             grow.join_pending(self, compare=True)  # Note [growing the partition]
             self._check_frozen_grads()
+            grad_agreement.check(self)  # Note [gradients nobody averaged] (the first step without a DDP model)
             self._fusedist_settle_clip()  # Note [gradients changed after the clip]
             self._zero_fill_without_backward()  # Note [zero-filled gradients in stage 2]
             if not self._has_any_grad():

@@ -42,6 +42,7 @@ class MutableState:
     _replaced = None  # why a stage-2 optimizer may not step any more (Note [an optimizer built again])
     _sharded_compared = False  # Note [one comparison a step] in trainable_check.py
     _trainable_verdict = None  # Note [the comparison read without a synchronization] in trainable_check.py
+    _grads_agreed = False  # Note [gradients nobody averaged] in grad_agreement.py
     _stage2_pending = None  # Note [stage 2 completed by add_param_group] in deferred_stage2.py
     overlap_param_gather = False
     _zero_flag_mark = None  # Note [a refused or skipped sharded step and the LR scheduler] in step_flag.py
@@ -60,7 +61,7 @@ _MUTABLE_ATTRIBUTES = (
     "_join_config", "_join_shadowing", "_join_clip", "_fusedist_join_config",
     "grad_scale", "found_inf", "step_context", "_replaced", "_may_grow",
     "_sharded_compared", "_trainable_verdict", "ddp", "_stage2_pending", "overlap_param_gather",
-    "_zero_flag_mark",
+    "_zero_flag_mark", "_grads_agreed",
 )
 
 

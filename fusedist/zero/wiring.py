@@ -182,9 +182,35 @@ def listen_to_layout(zero) -> None:
     listeners.append(_LayoutListener(zero))
 
 
+# Note [a dropped wrapper]
+#     ``ZeroRedundancyOptimizer(fusedist.DistributedDataParallel(net).parameters(), stage=2)``, or a
+#     wrapper built and not assigned: nothing holds the wrapper, so it is freed at once (nothing it holds
+#     refers back to it) and its backward hooks come off; the optimizer finds no DDP model. Told to "wrap
+#     the model", the user had wrapped it. The parameters' registrations outlive their wrapper (weakly held:
+#     ``fusedist.ownership``), so a wrapper that existed and is gone is told apart from none, and the
+#     refusals (stage 2 here; stage 1's gradient comparison, Note [gradients nobody averaged] in
+#     grad_agreement.py) say to keep a reference to it.
+DROPPED_WRAPPER_ADVICE = (
+    "Keep a reference to the DistributedDataParallel wrapper (model = fusedist.DistributedDataParallel(net)), "
+    "run the forward through it, and build the optimizer from its parameters")
+
+
+def dropped_wrapper(params) -> bool:
+    """Whether a fusedist DistributedDataParallel wrapped some of ``params`` and nothing holds it any
+    more (Note [a dropped wrapper])."""
+    from ..ownership import wrapper_dropped
+
+    return any(wrapper_dropped(p) for p in params)
+
+
 def install_stage2(zero, max_buckets_in_flight: Optional[int] = DEFAULT_MAX_BUCKETS_IN_FLIGHT) -> None:
     """Stage 2: DDP's reducer reduce-scatters each bucket into ``zero``'s gradient shard
     (Note [stage 2 gradients] in ``grad_sync.py``), at most ``max_buckets_in_flight`` at once."""
+    if zero.ddp is None and dropped_wrapper(zero._params):  # Note [a dropped wrapper]
+        raise ValueError(
+            f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): the fusedist.DistributedDataParallel wrapper "
+            "of these parameters was dropped: nothing kept a reference to it, so it was freed and its backward "
+            f"hooks, which reduce-scatter the gradients, came off. {DROPPED_WRAPPER_ADVICE}; or use stage=1.")
     if zero.ddp is None:
         raise ValueError(
             "ZeroRedundancyOptimizer(stage=2) needs the parameters of a fusedist.DistributedDataParallel "

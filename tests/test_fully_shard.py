@@ -652,6 +652,144 @@ def test_divide_factor_on_one_rank_shards_divides_once(launched2):
                     f"{what}: FSDP2 no longer divides twice (1/3): update this test and the docs"
 
 
+# ------------------------------------------------------------------------ model.apply(fn)
+def _count_unit_gathers(model) -> list:
+    """A list that grows by one with each all-gather of any of ``model``'s units."""
+    from fusedist.fsdp.state import state_of
+
+    calls = []
+    for m in model.modules():
+        st = state_of(m)
+        if st is None or st.unit is None:
+            continue
+        gather_into = st.unit.gather_into
+
+        def counted(*args, gather_into=gather_into, **kwargs):
+            calls.append(1)
+            return gather_into(*args, **kwargs)
+
+        st.unit.gather_into = counted
+    return calls
+
+
+def _fan_in_init(m):
+    """Deterministic, and from the whole shape (a piece has fewer rows): weight 1 / fan_out, bias 1 / fan_in."""
+    if isinstance(m, nn.Linear):
+        nn.init.constant_(m.weight, 1.0 / m.weight.shape[0])
+        nn.init.constant_(m.bias, 1.0 / m.weight.shape[1])
+
+
+def _random_init(m):
+    if isinstance(m, nn.Linear):
+        nn.init.trunc_normal_(m.weight, std=0.05)
+
+
+def _apply_without_parameters(rank, ws):
+    """``model.apply(fn)`` with units kept gathered (reshard_after_forward=False, forwards without
+    gradients): an ``fn`` that touches no parameter leaves them gathered, as FSDP2's ``apply``, so
+    the next forward gathers nothing; an init ``fn`` still gives FSDP2's values (deterministic) and
+    the unsharded model's (random: FSDP2 on a CPU mesh repeats a shard's draws on every rank)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = _mesh(ws)
+    torch.manual_seed(0)
+    plain = Net()
+    ref, ours = copy.deepcopy(plain), copy.deepcopy(plain)
+    for shard, model in ((torch_fully_shard, ref), (fusedist.fully_shard, ours)):
+        for b in model.blocks:
+            shard(b, mesh=mesh, reshard_after_forward=False)
+        shard(model, mesh=mesh, reshard_after_forward=False)
+    gathers = _count_unit_gathers(ours)
+    x, _ = _batch(rank, 0)
+    out = {}
+    with torch.no_grad():
+        ref(x), ours(x)
+        first = len(gathers)
+        fusedist.fsdp.reset_peak_memory_stats()
+        for model in (ref, ours):
+            model.apply(lambda m: setattr(m, "tagged", getattr(m, "tagged", 0) + 1))
+        out["scratch"] = ours.memory_stats()["peak_scratch_bytes"]
+        out["tagged"] = [getattr(m, "tagged", 0) for m in ours.modules()]
+        out["fsdp2 kept gathered"] = all(m._get_fsdp_state()._fsdp_param_group.is_unsharded
+                                         for m in ref.modules() if hasattr(m, "_get_fsdp_state"))
+        out["outputs"] = (ref(x) - ours(x)).abs().max().item()
+        out["gathers"] = (first, len(gathers) - first)
+    # an init reads the parameters: made whole, and the gathered copies follow it. (FSDP2 writes an
+    # apply on its gathered parameters into nothing: resharding drops them. Sharded first, as an init is.)
+    with torch.no_grad():
+        for model in (ref, ours):
+            for m in model.modules():
+                getattr(m, "reshard", lambda: None)()
+            model.apply(_fan_in_init)
+        out["init outputs"] = (ref(x) - ours(x)).abs().max().item()
+    theirs = {k: v.full_tensor() for k, v in ref.state_dict().items()}
+    mine = fusedist.fsdp.full_state_dict(ours)
+    out["init"] = max((theirs[k] - mine[k]).abs().max().item() for k in theirs)
+    # on units kept gathered (their first parameter read reshards them; the next forward gathers the init)
+    plain.apply(_fan_in_init)  # (as ours: the biases the random init leaves)
+    with torch.no_grad():
+        ours(x)
+        for model in (plain, ours):
+            torch.manual_seed(5)
+            model.apply(_random_init)
+        out["random init outputs"] = (plain(x) - ours(x)).abs().max().item()
+    mine, whole = fusedist.fsdp.full_state_dict(ours), plain.state_dict()
+    out["random init"] = max((whole[k] - mine[k]).abs().max().item() for k in whole)
+    return out
+
+
+def test_apply_touching_no_parameter_gathers_nothing(launched2):
+    """Was: every ``model.apply(fn)`` resharded every unit and copied each into a whole buffer
+    and back, so a per-step ``apply`` setting a flag re-gathered every kept unit at the next
+    forward (4 all-gathers here); FSDP2's ``apply`` only calls ``fn``."""
+    for res in results_of(launched2, "apply"):
+        assert res["tagged"] == [1] * len(res["tagged"]), res["tagged"]  # fn ran on every module once
+        assert res["fsdp2 kept gathered"]
+        assert res["gathers"] == (4, 0), res["gathers"]  # 4 units gathered once, not again after apply
+        assert res["scratch"] == 0, res["scratch"]  # no whole buffers made
+        assert res["outputs"] == 0.0 and res["init outputs"] == 0.0, res
+        assert res["init"] == 0.0, res["init"]  # FSDP2's values, bit for bit
+        assert res["random init"] == 0.0, res["random init"]  # the unsharded model's
+        assert res["random init outputs"] < 1e-6, res["random init outputs"]  # (sums split over ranks)
+
+
+def _slices_and_copies(rank, ws):
+    """A slice and a shallow copy of a sharded Sequential, from fusedist and from FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = _mesh(ws)
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(Block(8) for _ in range(3)))
+    ref, ours = copy.deepcopy(plain), copy.deepcopy(plain)
+    for shard, model in ((torch_fully_shard, ref), (fusedist.fully_shard, ours)):
+        for b in model:
+            shard(b, mesh=mesh)
+        shard(model, mesh=mesh)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name, model, fsdp_module in (("fsdp2", ref, FSDPModule), ("ours", ours, fusedist.FSDPModule)):
+        model(x).sum().backward()  # (FSDP2: the root's first forward before a slice's)
+        part, shallow = model[1:], copy.copy(model)
+        with torch.no_grad():
+            y = part(x)
+        out[name] = {"slice": (type(part).__name__, isinstance(part, fsdp_module), len(part)),
+                     "copy": (type(shallow).__name__, isinstance(shallow, fsdp_module)),
+                     "blocks sharded": [isinstance(b, fsdp_module) for b in part], "y": y}
+    out["y"] = (out["fsdp2"].pop("y") - out["ours"].pop("y")).abs().max().item()
+    return out
+
+
+def test_a_slice_of_a_sharded_sequential_is_a_plain_module_as_fsdp2s(launched2):
+    """Was: ``model[1:]`` and ``copy.copy(model)`` of a sharded Sequential were of the sharded class
+    without a unit -- ``isinstance(part, FSDPModule)`` held and ``part.unshard()`` failed on a missing
+    state; FSDP2's are plain Sequentials holding the sharded blocks."""
+    for res in results_of(launched2, "slices"):
+        assert res["ours"] == res["fsdp2"], res
+        assert res["ours"]["slice"] == ("Sequential", False, 2), res["ours"]
+        assert res["y"] == 0.0, res["y"]  # the same blocks, the same forward
+
+
 # ----------------------------------------------------------------------------- shared spawns
 # One spawn per world size runs the scenarios of the tests selected (a spawn costs seconds),
 # each after collecting the models of the ones before: gathered and scratch bytes are counted
@@ -670,7 +808,11 @@ JOBS = {
         "test_a_unit_the_synchronized_backward_skips_reduces_what_it_accumulated": {
             "skipped": (_after_collecting, (_skipped_in_the_synchronized_backward,))},
         "test_divide_factor_on_one_rank_shards_divides_once": {
-            "divide": (_divide_factor_on_one_rank_shards, (random.SystemRandom().randrange(2 ** 31),))}},
+            "divide": (_divide_factor_on_one_rank_shards, (random.SystemRandom().randrange(2 ** 31),))},
+        "test_apply_touching_no_parameter_gathers_nothing": {
+            "apply": (_after_collecting, (_apply_without_parameters,))},
+        "test_a_slice_of_a_sharded_sequential_is_a_plain_module_as_fsdp2s": {
+            "slices": (_after_collecting, (_slices_and_copies,))}},
     3: {"test_parity_with_torch_fsdp2_adamw": {"core": (_after_collecting, (_core,))},
         "test_edge_cases_match_torch_fsdp2": {"edges": (_after_collecting, (_edges,))}},
 }

@@ -28,9 +28,12 @@ refused),
 ``optim_state`` (the same for an optimizer's state over the pieces),
 ``memory`` (what is held), ``param_init`` (initializing a model built on the meta device as
 the unsharded one), ``module_apply`` (``model.apply(fn)`` with whole parameters, through it),
+``params_on_read`` (parameter tables that tell it when ``fn`` first reads one),
 ``api`` (``fully_shard`` and the methods a module gains), ``functions``
 (FSDP2's functions over sharded modules: ``register_fsdp_forward_method``, ``share_comm_ctx``).
 """
+
+import torch.distributed.fsdp as _torch_fsdp
 
 from .api import FullyShardedModule, UnshardHandle, fully_shard
 from .float8 import precompute_float8_dynamic_scale_for_fsdp
@@ -51,3 +54,29 @@ __all__ = [
     "full_state_dict", "load_full_state_dict", "reset_peak_memory_stats", "track_optimizer", "init_parameters",
     "precompute_float8_dynamic_scale_for_fsdp",
 ]
+
+# torch's own class (newer torch only), so its import moves with the others; fully_shard refuses
+# ``dp_mesh_dims`` by name
+if hasattr(_torch_fsdp, "DataParallelMeshDims"):
+    DataParallelMeshDims = _torch_fsdp.DataParallelMeshDims
+    __all__.append("DataParallelMeshDims")
+
+#: ``torch.distributed.fsdp``'s FSDP1 names: the ``FullyShardedDataParallel`` wrapper and its settings.
+_FSDP1_NAMES = frozenset((
+    "BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullStateDictConfig", "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig", "LocalStateDictConfig", "MixedPrecision", "OptimStateDictConfig",
+    "OptimStateKeyType", "ShardedOptimStateDictConfig", "ShardedStateDictConfig", "ShardingStrategy",
+    "StateDictConfig", "StateDictSettings", "StateDictType"))
+
+
+def __getattr__(name: str):
+    """An FSDP1 name is refused naming the reason, also in ``from fusedist.fsdp import ...`` (an
+    ImportError: the import statement replaces an AttributeError's message with its own)."""
+    if name in _FSDP1_NAMES:
+        raise ImportError(
+            f"fusedist.fsdp has no {name}: it belongs to torch's FSDP1 API (the FullyShardedDataParallel wrapper "
+            "and its settings), and fusedist implements FSDP2's per-module fully_shard. Shard each block, then "
+            "the root, with fusedist.fully_shard (MixedPrecisionPolicy and CPUOffloadPolicy in place of "
+            "MixedPrecision and CPUOffload; fusedist.fsdp.full_state_dict for a full state dict), or keep "
+            f"torch.distributed.fsdp.{name}.", name=name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

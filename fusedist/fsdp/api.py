@@ -188,8 +188,8 @@ class UnshardHandle:
     used to gather the unit once more there, an all-gather nobody needed, and held the unit's
     parameters gathered until the end of the next backward."""
 
-    def __init__(self, unit):
-        self._unit = unit
+    def __init__(self, unit=None):
+        self._unit = unit  # None: a handle with nothing to wait for (FSDP2's ``UnshardHandle()``)
 
     def wait(self) -> None:
         unit, self._unit = self._unit, None
@@ -201,6 +201,15 @@ class FullyShardedModule:
     """The methods a module gains from :func:`fully_shard` (torch FSDP2's names). Also
     exported as ``FSDPModule``, torch's name for it, so ``isinstance(m, FSDPModule)`` in a
     training script keeps working when its import moves to fusedist."""
+
+    def __new__(cls, *args, **kwargs):
+        """A new instance of a sharded module's class -- a container's slice (``seq[1:]``) is built
+        by ``type(self)(...)`` -- is a module of the original class, as FSDP2's: it was not given to
+        ``fully_shard``. It used to be of the sharded class without a unit: ``isinstance(slice,
+        FSDPModule)`` held and its ``unshard()`` failed on a missing state. Without arguments
+        (``copy.copy`` and unpickling make the object, then restore its state) it is left to them."""
+        original = cls.__mro__[2]  # (FullyShardClass, FullyShardedModule, original, ...)
+        return original(*args, **kwargs) if args or kwargs else original.__new__(original)
 
     def _fs_state(self) -> FullyShardState:
         return state_of(self)

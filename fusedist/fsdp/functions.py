@@ -9,10 +9,23 @@ import functools
 import torch
 from torch import nn
 
-from .api import FullyShardedModule
+from .api import FullyShardedModule, fully_shard
 from .state import state_of
 
 __all__ = ["register_fsdp_forward_method", "share_comm_ctx"]
+
+
+def _no_composable_state(module: nn.Module):
+    """``fully_shard.state(module)``, torch's composable-API accessor of its ``FSDPState``:
+    refused, naming what to use instead (it used to be an AttributeError on the function)."""
+    raise NotImplementedError(
+        f"fusedist.fully_shard.state({type(module).__name__}): fusedist keeps no torch composable-API state "
+        "(FSDPState, its param groups and comm context) on a sharded module: its units are fusedist's own. "
+        "Use the FSDPModule methods (set_is_last_backward, unshard, reshard, ...) on the module, or "
+        "isinstance(module, fusedist.FSDPModule) to ask whether it was sharded.")
+
+
+fully_shard.state = _no_composable_state
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -23,7 +23,9 @@ Note [apply on a sharded model]
     where ``blocks`` is a ModuleList) has torch's ``apply``: use ``init_parameters`` on the
     sharded module there. What ``fn`` reads is whole only where written since the unit was
     made whole (the rows of other ranks read as zeros), and ``fn`` runs without gradients
-    recorded, as an initialization does.
+    recorded, as an initialization does. Units are made whole only for an ``fn`` that reads or
+    writes parameters (Note [whole only when read] in param_init.py): an ``fn`` that sets a flag
+    on each module costs no copies and leaves gathered units gathered, as FSDP2's ``apply``.
 """
 
 from __future__ import annotations

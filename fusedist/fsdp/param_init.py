@@ -13,7 +13,8 @@ Note [initializing like the unsharded model]
       instead (each module before its children), the order in which Lightning materializes
       a meta-device model (``reset_parameters()`` per submodule), so a parent's init that
       re-initializes its children is overwritten by theirs there as it is in Lightning;
-    * before ``init_fn(sub)`` the units holding ``sub``'s parameters are made *whole*: a
+    * when ``init_fn(sub)`` first reads or writes a parameter (Note [whole only when read]),
+      the units holding ``sub``'s parameters are made *whole*: a
       temporary flat buffer in the shard's dtype on the compute device, laid out as the
       gathered buffer, with this rank's shard copied into its place, and whole parameters on
       it held by the modules. No communication: every rank computes the same whole values
@@ -68,6 +69,7 @@ from torch import nn
 
 from .layout import alias
 from .memory import COUNTERS
+from .params_on_read import modules_holding, unwatch_params, watch_params
 from .state import state_of
 
 __all__ = ["init_parameters"]
@@ -96,21 +98,15 @@ def init_parameters(module: nn.Module, init_fn: Optional[Callable[[nn.Module], N
     units = _units_under(module)
     for unit in units:
         unit.check_materialized()
-        unit.reshard()
-    plan = _plan(module, units)
-    whole: dict = {}  # unit -> _WholeUnit, the units whole now
+    wholes = _WholeOnRead(units, _plan(module, units))
     try:
         for sub in _ORDERS[order](module):
-            needed = plan.needs.get(id(sub), ())
-            if any(u not in whole for u in needed):
-                _release_all(whole)
-                for u in needed:
-                    whole[u] = _WholeUnit(u, plan.borrowers.get(u, {}))
+            wholes.visiting(sub)
             init_fn(sub)
     except BaseException:
-        _release_all(whole, quiet=True)  # (the exception that stopped it is the one to see)
+        wholes.finish(quiet=True)  # (the exception that stopped it is the one to see)
         raise
-    _release_all(whole)
+    wholes.finish()
     if default:
         _warn_uninitialized(module)
     return module
@@ -130,6 +126,60 @@ def _warn_uninitialized(module: nn.Module) -> None:
             "method, so they keep what they held (after to_empty, uninitialized memory) unless another module's "
             "reset_parameters() wrote them. Pass an init_fn that initializes them, or give those modules "
             "reset_parameters().", UserWarning, stacklevel=2)
+
+
+# Note [whole only when read]
+#     A unit is made whole when ``init_fn`` first reads or writes a parameter while visiting a
+#     submodule that needs it, not before every visit: ``model.apply(fn)`` with an ``fn`` that
+#     touches no parameter (setting a flag on each module, every step) used to reshard every unit
+#     -- a unit kept gathered (``reshard_after_forward=False``, the root) was all-gathered again
+#     by the next forward -- and to copy every unit into a whole buffer and back, for nothing.
+#     torch's FSDP2 does neither there (its ``apply`` only calls ``fn``). While ``init_fn`` runs,
+#     the modules holding the units' parameters have a ``ParamsOnRead`` table (params_on_read.py):
+#     the first read or write of a value (``module.weight``, ``parameters()``, ``state_dict()``,
+#     assigning a parameter) reshards every unit once, then makes the visited submodule's units
+#     whole as Note [initializing like the unsharded model] says, and the read sees them; later
+#     reads while they stay whole cost a check. What ``init_fn`` computes is unchanged.
+
+
+class _WholeOnRead:
+    """The units whole now, made so on the first parameter read of the submodule visited
+    (Note [whole only when read])."""
+
+    def __init__(self, units: list, plan: "_Plan"):
+        self.units, self.plan = units, plan
+        self.whole: dict = {}  # unit -> _WholeUnit
+        self.needed = ()
+        self.resharded = False
+        self.busy = False  # making units whole or releasing them: their own reads of the tables
+        self.watched = watch_params(modules_holding(units), self.on_read)
+
+    def visiting(self, sub: nn.Module) -> None:
+        self.needed = self.plan.needs.get(id(sub), ())
+
+    def on_read(self) -> None:
+        if self.busy or (self.resharded and all(u in self.whole for u in self.needed)):
+            return
+        self.busy = True
+        try:
+            if not self.resharded:
+                for unit in self.units:
+                    unit.reshard()
+                self.resharded = True
+            if any(u not in self.whole for u in self.needed):
+                _release_all(self.whole)
+                for u in self.needed:
+                    self.whole[u] = _WholeUnit(u, self.plan.borrowers.get(u, {}))
+        finally:
+            self.busy = False
+
+    def finish(self, quiet: bool = False) -> None:
+        """Release the units whole, give the modules their own tables back."""
+        self.busy = True
+        try:
+            _release_all(self.whole, quiet)
+        finally:
+            unwatch_params(self.watched)
 
 
 def _release_all(whole: dict, quiet: bool = False) -> None:

@@ -2,7 +2,10 @@
 same parameters in the same positions, and the same results where an option changes them --
 buffers synced at construction and at forwards (``forward_sync_buffers``, the deprecated
 ``broadcast_buffers``, ``init_sync``), per-bucket caps (``bucket_cap_mb_list``) -- compared
-with torch DDP on 2 gloo ranks. The CPU tests' two-rank scenarios share one launch of the ranks
+with torch DDP on 2 gloo ranks; so are the attributes and private methods torch's DDP gives
+scripts (its settings in bytes, ``require_forward_param_sync``, ``_register_fused_optim``,
+``_get_data_parallel_params``, a hook's annotations checked, ``_update_process_group`` refused).
+The CPU tests' two-rank scenarios share one launch of the ranks
 (``launched``): starting ranks costs more than most scenarios.
 """
 
@@ -15,6 +18,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fusedist.testing import run_distributed
@@ -531,6 +535,206 @@ def test_zero_refuses_rank_local_parameters_and_trains_the_rest_as_torch(launche
                 torch.testing.assert_close(res[f"fusedist {stage}"][key], expected, rtol=1e-6, atol=1e-7, msg=key)
 
 
+# -- torch's settings as attributes, its buffer flag, its fused optimizer (Note [torch's settings as attributes]) --
+
+_SETTING_NAMES = ("bucket_bytes_cap", "bucket_bytes_cap_list", "bucket_bytes_cap_default", "broadcast_bucket_size",
+                  "skip_all_reduce_unused_params", "batched_grad_copy", "is_multi_device_module",
+                  "require_forward_param_sync")
+
+
+def _torch_settings_as_attributes(rank, world):
+    import fusedist
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    results = []
+    for kwargs in ({}, {"bucket_cap_mb": 0.5}, {"bucket_cap_mb_list": [1, 3, 2]},
+                   {"skip_all_reduce_unused_params": True, "batched_grad_copy": True},
+                   {"mixed_precision": _MixedPrecision(reduce_dtype=torch.float32)}):
+        row = {}
+        for name, cls in (("torch", nn.parallel.DistributedDataParallel),
+                          ("fusedist", fusedist.DistributedDataParallel)):
+            model = cls(nn.Linear(3, 2), **kwargs)
+            row[name] = {key: getattr(model, key, "missing") for key in _SETTING_NAMES}
+            row[name]["mixed_precision is the argument"] = model.mixed_precision is kwargs.get("mixed_precision")
+        results.append((sorted(kwargs), row))
+    return results
+
+
+def test_constructor_settings_read_back_as_torch_ddps_attributes(launched):
+    """The bucket caps in bytes (``bucket_bytes_cap``...), ``mixed_precision`` and the flags torch
+    keeps from its constructor hold torch DDP's values (before: AttributeError)."""
+    for per_rank in results_of(launched, "settings as attributes"):
+        for kwargs, row in per_rank:
+            assert row["fusedist"] == row["torch"], kwargs
+
+
+def _forward_param_sync_flag(rank, world):
+    import fusedist
+
+    results = {}
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(6, 3, generator=gen) * (rank + 1) for _ in range(3)]
+    for name, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        torch.manual_seed(0)
+        model = cls(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+        seen = [model.require_forward_param_sync]
+        model(batches[0]).sum().backward()
+        seen.append(model.require_forward_param_sync)
+        model.require_forward_param_sync = False  # the next forward broadcasts nothing
+        with torch.no_grad():
+            model(batches[1])
+        seen.append(model.require_forward_param_sync)
+        after_unsynced = model.module[1].running_mean.clone()
+        model.require_forward_param_sync = True  # this one broadcasts rank 0's statistics first
+        model.eval()
+        with torch.no_grad():
+            model(batches[2])
+        results[name] = dict(seen=seen, unsynced=after_unsynced, synced=model.module[1].running_mean.clone(),
+                             will_sync=model.will_sync_module_buffers())
+    return results
+
+
+def test_require_forward_param_sync_reads_and_sets_the_next_forwards_buffer_broadcast_as_torch(launched):
+    """torch's ``require_forward_param_sync``: True after a synchronized training forward, False
+    after one without gradients; set to False, the next forward leaves each rank's BatchNorm
+    statistics its own, set to True it broadcasts rank 0's, as torch DDP does."""
+    per_rank = results_of(launched, "forward param sync flag")
+    for res in per_rank:
+        assert res["fusedist"]["seen"] == res["torch"]["seen"] == [True, True, False]
+        assert res["fusedist"]["will_sync"] == res["torch"]["will_sync"] is False
+        for key in ("unsynced", "synced"):
+            torch.testing.assert_close(res["fusedist"][key], res["torch"][key], rtol=1e-6, atol=1e-7, msg=key)
+    assert not torch.equal(per_rank[0]["fusedist"]["unsynced"], per_rank[1]["fusedist"]["unsynced"])
+
+
+def _fused_optim_beside_torch(rank, world):
+    import fusedist
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(5, 4, generator=gen) for _ in range(3)]
+    diffs = {}
+    for case in ("sgd momentum, every parameter", "adam on the first layer, sgd steps the rest"):
+        models, rest_optimizers = [], []
+        for cls in (nn.parallel.DistributedDataParallel, fusedist.DistributedDataParallel):
+            model = cls(copy.deepcopy(base))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # (torch's functional optimizers)
+                if case.startswith("sgd"):
+                    model._register_fused_optim(torch.optim.SGD, lr=0.1, momentum=0.9)
+                else:
+                    model._register_fused_optim(torch.optim.Adam, lr=0.01, optim_params=model.module[0].parameters())
+                    rest_optimizers.append(torch.optim.SGD(model.module[2].parameters(), lr=0.1))
+            models.append(model)
+        for x in batches:
+            for model in models:
+                model(x).pow(2).sum().backward()
+            for opt in rest_optimizers:
+                opt.step()
+                opt.zero_grad()
+        diffs[case] = (max((a - b).abs().max().item() for a, b in zip(models[0].parameters(), models[1].parameters())),
+                       max((a - b).abs().max().item() for a, b in zip(base.parameters(), models[1].parameters())))
+    return diffs
+
+
+def test_register_fused_optim_steps_in_backward_as_torch_ddp(launched):
+    """torch's ``_register_fused_optim`` (an optimizer stepping each bucket's parameters as the
+    bucket is averaged, in backward): the same parameters as torch DDP's after three backwards,
+    with every parameter and with ``optim_params`` and an ordinary optimizer for the rest."""
+    for diffs in results_of(launched, "fused optim"):
+        for case, (to_torch, moved) in diffs.items():
+            assert to_torch < 1e-6, (case, to_torch)
+            assert moved > 1e-2, case  # (the parameters were stepped)
+
+
+def _data_parallel_params_and_group_update(rank, world):
+    import fusedist
+
+    results = {}
+    for name, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+        cls._set_params_and_buffers_to_ignore_for_model(net, ["1.bias"])
+        model = cls(net)
+        synced = [p is q for p, q in zip(model._get_data_parallel_params(net), [net[0].weight, net[0].bias,
+                                                                                net[1].weight])]
+        named = [n for n, _ in cls._get_data_parallel_params(net, named_params=True)]
+        try:
+            model._update_process_group(dist.new_group(list(range(world))))
+            update = "updated"
+        except RuntimeError as e:
+            update = str(e)
+        results[name] = dict(synced=synced, named=named, update=update)
+    return results
+
+
+def test_data_parallel_params_as_torchs_and_a_process_group_update_refused_naming_the_way(launched):
+    """torch's static ``_get_data_parallel_params`` (the parameters a DDP unit synchronizes,
+    ignored ones left out) gives torch's; ``_update_process_group``, which torch's DDP takes, is
+    refused on every rank saying to wrap the module again on the new group."""
+    for rank, res in enumerate(results_of(launched, "data parallel params, group update")):
+        assert res["fusedist"]["synced"] == res["torch"]["synced"] == [True] * 3
+        assert res["fusedist"]["named"] == res["torch"]["named"]  # (torch's named form filters nothing)
+        assert res["torch"]["update"] == "updated"
+        assert res["fusedist"]["update"].startswith(
+            f"fusedist.DistributedDataParallel (rank {rank}): _update_process_group is not supported"), res
+        assert "DistributedDataParallel(model.module, process_group=new_group)" in res["fusedist"]["update"]
+
+
+def _halving_hook(state, bucket):
+    """Averages the bucket as torch's allreduce_hook does (annotations set per case below)."""
+    buffer = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _annotated(annotations: dict):
+    # (as written here, strings: this module imports ``annotations`` from ``__future__``)
+    def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return _halving_hook(state, bucket)
+
+    if annotations is not None:
+        hook.__annotations__ = annotations
+    return hook
+
+
+def _hook_annotations(rank, world):
+    import fusedist
+
+    future = torch.futures.Future[torch.Tensor]
+    cases = {"bucket: int": {"bucket": int, "return": future}, "-> int": {"bucket": dist.GradBucket, "return": int},
+             "as torch's hooks": {"bucket": dist.GradBucket, "return": future}, "as strings": None}
+    results = {}
+    for name, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        for case, given in cases.items():
+            torch.manual_seed(0)
+            model = cls(nn.Linear(3, 2))
+            try:
+                model.register_comm_hook(None, _annotated(given))
+            except ValueError as e:
+                results[name, case] = str(e)
+                continue
+            model(torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))).sum().backward()
+            results[name, case] = [p.grad.clone() for p in model.parameters()]
+    return results
+
+
+def test_hook_annotations_refused_as_torch_refuses_them_and_strings_resolved(launched):
+    """A hook annotated with another bucket or return type is refused at registration with torch's
+    words (before: taken); annotations written as strings are resolved first, where torch refuses
+    a correct hook whose module uses ``from __future__ import annotations``."""
+    for res in results_of(launched, "hook annotations"):
+        for case, says in (("bucket: int", "bucket annotation should be dist.GradBucket."),
+                           ("-> int", "return annotation should be torch.futures.Future[torch.Tensor].")):
+            assert res["torch", case] == f"Communication hook: {says}"
+            assert res["fusedist", case].startswith("fusedist.DistributedDataParallel.register_comm_hook: hook ")
+            assert res["fusedist", case].endswith(says)
+        assert res["torch", "as strings"] == "Communication hook: bucket annotation should be dist.GradBucket."
+        for case in ("as torch's hooks", "as strings"):
+            for ours, theirs in zip(res["fusedist", case], res["torch", "as torch's hooks"]):
+                torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=case)
+
+
 # ---------------------------------------------------------------- the shared launch
 @pytest.fixture(scope="module")
 def launched(request):
@@ -548,6 +752,15 @@ def launched(request):
             "ignored state": (_ignored_state_trains_as_torch, ())},
         "test_zero_refuses_rank_local_parameters_and_trains_the_rest_as_torch": {
             "zero with rank-local parameters": (_zero_with_rank_local_parameters, ())},
+        "test_constructor_settings_read_back_as_torch_ddps_attributes": {
+            "settings as attributes": (_torch_settings_as_attributes, ())},
+        "test_require_forward_param_sync_reads_and_sets_the_next_forwards_buffer_broadcast_as_torch": {
+            "forward param sync flag": (_forward_param_sync_flag, ())},
+        "test_register_fused_optim_steps_in_backward_as_torch_ddp": {"fused optim": (_fused_optim_beside_torch, ())},
+        "test_data_parallel_params_as_torchs_and_a_process_group_update_refused_naming_the_way": {
+            "data parallel params, group update": (_data_parallel_params_and_group_update, ())},
+        "test_hook_annotations_refused_as_torch_refuses_them_and_strings_resolved": {
+            "hook annotations": (_hook_annotations, ())},
         "test_an_ignore_list_that_differs_between_ranks_is_refused_on_every_rank": {
             "ignore lists differ": (_ignore_lists_differ, ())},
     }, 2, timeout=480)

@@ -327,6 +327,20 @@ def test_constructor_errors():
         GradScaler("cpu", min_scale_policy="ignore")
 
 
+def test_a_number_where_the_device_goes_is_refused_naming_init_scale():
+    """torch.cuda.amp.GradScaler's first argument is init_scale, torch.amp's (and this one's) the
+    device: torch.amp's takes ``GradScaler(1024.0)`` silently and keeps the default scale."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.amp.GradScaler(1024.0)._init_scale == 2.0**16  # (torch's, silently)
+    for number in (1024.0, 2**14):
+        with pytest.raises(TypeError, match=f"torch.cuda.amp.GradScaler's first argument is init_scale: pass "
+                                            f"GradScaler\\('cuda', init_scale={number!r}\\)"):
+            GradScaler(number)
+    for device in ("cpu", torch.device("cpu")):
+        assert GradScaler(device, 1024.0).get_scale() == torch.amp.GradScaler("cpu", 1024.0).get_scale() == 1024.0
+
+
 def test_state_dict_round_trip_and_torch_compat():
     scaler = GradScaler(DEVICE.type, init_scale=64.0, growth_interval=2, hysteresis=3)
     _drive(scaler, [False, True])

@@ -68,3 +68,51 @@ def test_a_skipped_step_runs_the_optimizers_hooks_as_torch(fused_group, unscale_
     assert len(want[0]) == (10 if fused_group else 6)  # (torch's fused optimizers run theirs)
     for a, b in zip(got[1] + ours, want[1] + theirs):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")
+
+
+def _loop_with_step_wrapper(params, opt, scaler, seed):
+    """accelerate's ``AcceleratedOptimizer.step`` in five iterations: the optimizer's ``step`` set
+    on the object to a wrapper noting it ran, put back after the scaler's step; the LR scheduler
+    stepped only when it ran (accelerate's ``step_was_skipped``). (per-step flags, LRs)"""
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    original = opt.step
+    called, flags, lrs = [], [], []
+
+    def patched(*args, **kwargs):
+        called.append(True)
+        return original(*args, **kwargs)
+
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(5):
+        opt.zero_grad()
+        loss = sum((p * torch.randn(p.shape, generator=gen)).sum() for p in params)
+        scaler.scale(loss * OVERFLOWS.get(step, 1.0)).backward()
+        called.clear()
+        opt.step = patched
+        scaler.step(opt)
+        scaler.update()
+        opt.step = original
+        flags.append(bool(called))
+        if called:
+            scheduler.step()
+        lrs.append(scheduler.get_last_lr())
+    return flags, lrs
+
+
+@pytest.mark.parametrize("fused_group", [False, True])
+def test_a_skipped_step_calls_no_step_wrapper_set_on_the_optimizer_as_torch(fused_group):
+    """Before: the wrapper ran on both skipped steps, so the accelerate-style loop saw no
+    overflow and halved the LR five times, where torch's skipped steps left it at three."""
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(4,), (2, 3)]]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    kw = dict(lr=0.1, fused=True) if fused_group else dict(lr=0.1)
+    settings = dict(init_scale=2.0 ** 6, growth_interval=2)
+    got = _loop_with_step_wrapper(ours, FusedAdamW(ours, **kw), GradScaler("cpu", **settings), seed)
+    want = _loop_with_step_wrapper(theirs, torch.optim.AdamW(theirs, **kw), torch.amp.GradScaler("cpu", **settings),
+                                   seed)
+    assert got == want, (seed, got, want)
+    assert want[0] == ([True] * 5 if fused_group else [True, False, True, False, True])  # (torch's fused: called)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m: f"seed {seed}: {m}")

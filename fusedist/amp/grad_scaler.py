@@ -84,7 +84,7 @@ from ..optim._scaler_protocol import follows_protocol, looked_up_once, protocol_
 from ..optim.step_context import inverse_scale, mark_pending
 from . import added_params, skipped_step, unscale
 from .found_inf_group import FoundInfGroupMixin
-from .scaler_settings import check_loaded_state, check_settings, checked_new_scale
+from .scaler_settings import check_device, check_loaded_state, check_settings, checked_new_scale
 from ..reliability.scale_check import scaled_with
 
 MIN_SCALE_POLICIES = ("warn", "raise")
@@ -170,6 +170,7 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: Optional[float] = None, min_scale_policy: str = "warn",
                  lazy_unscale: bool = False, found_inf_group=None):
+        check_device(device)  # (a number here is torch.cuda.amp.GradScaler's init_scale)
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._found_inf_group = found_inf_group
         self._group_optimizers: dict = {}  # (id -> weak reference) Note [found_inf over the pipeline stages]

@@ -24,6 +24,18 @@ def _real(value) -> Optional[float]:
         return None
 
 
+def check_device(device) -> None:
+    """torch.amp.GradScaler's first argument is the device type; torch.cuda.amp.GradScaler's (the
+    deprecated alias code swaps for it) is ``init_scale``. torch's takes a number there silently:
+    ``GradScaler(2.0**14)`` kept the default scale of 65536 and trained with it."""
+    if isinstance(device, (int, float)):
+        raise TypeError(
+            f"GradScaler: the first argument is the device type (e.g. 'cuda'), as torch.amp.GradScaler's, got the "
+            f"number {device!r}; torch.cuda.amp.GradScaler's first argument is init_scale: pass "
+            f"GradScaler('cuda', init_scale={device!r})"
+        )
+
+
 def check_settings(where: str, scale_name: str, scale, growth_factor, backoff_factor, growth_interval) -> None:
     """torch checks only growth_factor > 1 and backoff_factor < 1; the values below pass its
     checks yet train wrongly without an error: a scale of 0 zeroes every gradient (or makes

@@ -15,6 +15,17 @@ built with ``fused=True`` behaves as torch's fused optimizers, which the scaler 
 so runs its hooks. torch's *global* step hooks (``register_optimizer_step_pre_hook``) still run
 on a skipped fused step, as for torch's fused optimizers: fusedist installs such hooks itself,
 and reading the flag for them would make every step wait for the device.
+
+A ``step`` the program set on the optimizer object itself, wrapping the class's, is such code
+too: accelerate's ``AcceleratedOptimizer`` sets one that notes the step was called, and reads a
+step that was not as an overflow (``step_was_skipped``, which holds back its LR scheduler's
+step). Under torch's scaler a skipped step never calls it; here, where the optimizer owns the
+protocol itself (its class's ``step`` is then the fused step), a skipped step calls the class's
+``step`` with the wrapper set aside (the flag read on the host, as for hooks). The ``step`` of an
+optimizer handed over to another (Note [the protocol of a handed-over optimizer] in
+fusedist/optim/_scaler_protocol.py) is its real step and stays. torch's LR scheduler's own
+wrapper is not such code (Note [a skipped step and the LR scheduler]), nor is the plain bound
+method a wrapper puts back after its step.
 """
 
 from __future__ import annotations
@@ -33,10 +44,23 @@ def _own_hooks(optimizer) -> bool:
     return any(_own(optimizer).get(name) for name in _HOOKS)
 
 
+def _own_step_wrapper(optimizer) -> bool:
+    """Whether ``optimizer`` holds a ``step`` of its own that wraps the class's (Note [a skipped
+    step runs no step hooks]): not torch's LR scheduler's, nor the class's bound method put back."""
+    step = _own(optimizer).get("step")
+    if step is None or getattr(step, "_wrapped_by_lr_sched", False):
+        return False
+    bound_plain = getattr(step, "__self__", None) is optimizer and \
+        getattr(step, "__func__", None) is getattr(type(optimizer), "step", None)
+    return not bound_plain
+
+
 def has_own_step_hooks(optimizer, owner) -> bool:
     """Whether a skipped step of ``optimizer`` (whose protocol ``owner`` holds the groups) would
-    run hooks that torch's scaler does not run (Note [a skipped step runs no step hooks])."""
-    if not (_own_hooks(optimizer) or (owner is not optimizer and _own_hooks(owner))):
+    run hooks or a step wrapper that torch's scaler does not run (Note [a skipped step runs no
+    step hooks])."""
+    own = _own_hooks(optimizer) or (owner is optimizer and _own_step_wrapper(optimizer))
+    if not (own or (owner is not optimizer and _own_hooks(owner))):
         return False
     return not built_fused(owner)
 
@@ -50,8 +74,11 @@ def built_fused(owner) -> bool:
 @contextlib.contextmanager
 def own_step_hooks_off(*optimizers):
     """Within the block, the step hooks registered on ``optimizers`` are set aside (kept, and put
-    back after it: their removable handles stay valid)."""
+    back after it: their removable handles stay valid), and so is a step wrapper of the one
+    optimizer given when it owns the protocol (its class's ``step`` then is the fused step)."""
     kept = []
+    if all(o is optimizers[0] for o in optimizers) and _own_step_wrapper(optimizers[0]):
+        kept.append((optimizers[0], "step", _own(optimizers[0]).pop("step")))
     for optimizer in {id(o): o for o in optimizers}.values():
         for name in _HOOKS:
             hooks = _own(optimizer).get(name)

@@ -38,6 +38,17 @@ class BufferBroadcast:
 
     broadcast_buffers = forward_sync_buffers  # torch's deprecated name for the same setting
 
+    @property
+    def require_forward_param_sync(self) -> bool:
+        """torch's flag: whether the next forward broadcasts the buffers (True after a synchronized
+        training forward, Note [when buffers are broadcast]); code written for torch's DDP sets it
+        (a forward run outside the wrapper's own that should leave the next one unsynchronized)."""
+        return self._buffers_due
+
+    @require_forward_param_sync.setter
+    def require_forward_param_sync(self, value: bool) -> None:
+        self._buffers_due = bool(value)
+
     def will_sync_module_buffers(self) -> bool:
         """torch's: whether the next forward may broadcast buffers (it does after a
         synchronized training forward, Note [when buffers are broadcast])."""

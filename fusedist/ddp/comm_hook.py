@@ -66,6 +66,7 @@ Note [one hook at a time]
 from __future__ import annotations
 
 import datetime
+import inspect
 import sys
 import threading
 import warnings
@@ -272,6 +273,7 @@ def _set_hook_strategy(wrapper, state, hook) -> None:
     name = hook_name(hook)
     if not callable(hook):
         raise TypeError(f"fusedist.DistributedDataParallel.register_comm_hook: hook {name} is not callable")
+    _check_hook_annotations(hook, name)
     _check_hook_allowed(wrapper)
     reducer = wrapper.reducer
     if wrapper.config.reduce_dtype is not None:
@@ -290,6 +292,27 @@ def _set_hook_strategy(wrapper, state, hook) -> None:
     wrapper._comm_hook = name
     reducer.strategy = CommHookStrategy(state, hook)
     match_torch_buckets(reducer)
+
+
+def _check_hook_annotations(hook, name: str) -> None:
+    """torch's DDP refuses a hook whose annotations promise something else than it hands over and
+    expects back (``bucket: dist.GradBucket``, ``-> torch.futures.Future[torch.Tensor]``), so
+    these refuse it too. Annotations written as strings (``from __future__ import annotations``)
+    are resolved first: torch compared the strings themselves and refused correct hooks; one that
+    cannot be resolved is left to the check of what the hook returns."""
+    try:
+        signature = inspect.signature(hook, eval_str=True)
+    except (NameError, SyntaxError, TypeError, ValueError, AttributeError):
+        return
+    bucket = signature.parameters.get("bucket")
+    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket):
+        raise ValueError(f"fusedist.DistributedDataParallel.register_comm_hook: hook {name}'s bucket is annotated "
+                         f"{bucket.annotation!r}; Communication hook: bucket annotation should be dist.GradBucket.")
+    returned = signature.return_annotation
+    if returned is not inspect.Signature.empty and returned != torch.futures.Future[torch.Tensor]:
+        raise ValueError(f"fusedist.DistributedDataParallel.register_comm_hook: hook {name} is annotated to return "
+                         f"{returned!r}; Communication hook: return annotation should be "
+                         "torch.futures.Future[torch.Tensor].")
 
 
 def match_torch_buckets(reducer) -> None:

@@ -30,6 +30,16 @@ Note [ignored entries followed by identity]
     matches the names at every forward: after such a renumbering it broadcasts the ignored
     entry's buffers and leaves those now under the old names out. A copy of the wrapper
     (``copy.deepcopy``) ignores the copies of the same slots.
+
+Note [torch's settings as attributes]
+    torch's DDP keeps its constructor's settings as attributes that code reads back: the bucket
+    caps in bytes (``bucket_bytes_cap``, ``bucket_bytes_cap_list``, ``bucket_bytes_cap_default``:
+    whether the first bucket gets torch's smaller default cap), ``broadcast_bucket_size``,
+    ``mixed_precision``, ``skip_all_reduce_unused_params``, ``batched_grad_copy`` and
+    ``is_multi_device_module``. The wrapper holds the same values under the same names, computed
+    as torch computes them, for the logging and configuration code that reads them. Setting one
+    afterwards changes nothing, in torch's either: the buckets are cut from the constructor's
+    arguments.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import os
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
@@ -63,6 +74,18 @@ class TorchDDPSurface:
         self._logging_sample_rate = DEFAULT_SAMPLE_RATE
         self._joined_once = False
 
+    # ------------------------------------------------------------ Note [torch's settings as attributes]
+    def _init_torch_settings(self, bucket_cap_mb, bucket_cap_mb_list, mixed_precision,
+                             skip_all_reduce_unused_params, batched_grad_copy) -> None:
+        """torch's attributes for its constructor's settings (after :meth:`_init_surface`)."""
+        self.broadcast_bucket_size = TORCH_BROADCAST_BUCKET_BYTES
+        self.bucket_bytes_cap, self.bucket_bytes_cap_list, self.bucket_bytes_cap_default = \
+            torch_bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        self.mixed_precision = mixed_precision
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
+        self.is_multi_device_module = len({p.device for _, p in self.synced_parameters()}) > 1
+
     # ------------------------------------------------------------ Note [inputs moved to the module's device]
     def _inputs_on_device(self, args, kwargs) -> tuple:
         """``(args, kwargs)`` as the module gets them."""
@@ -84,10 +107,34 @@ class TorchDDPSurface:
         return gather(outputs, output_device, dim=self.dim)
 
     # ------------------------------------------------------------ torch's private names
+    def _register_fused_optim(self, optim: type, *args, optim_params=None, **kwargs) -> None:
+        """torch's (private): ``optim`` (a torch optimizer class with a functional form: SGD, Adam,
+        AdamW, ...; ``args``/``kwargs`` its hyperparameters) steps each bucket's parameters in
+        backward, as soon as that bucket is averaged, through a communication hook, so no
+        ``optimizer.step()`` follows; ``optim_params``: the parameters it steps (default all).
+        It takes the model's one communication hook (Note [communication hooks] in comm_hook.py)."""
+        nn.parallel.DistributedDataParallel._register_fused_optim(
+            self, optim, *args, optim_params=optim_params, **kwargs)
+
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
         """torch's name for ``register_builtin_comm_hook`` (torch's DDP has only this private one,
         and its docs show ``ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)``)."""
         self.register_builtin_comm_hook(comm_hook_type)
+
+    # torch's: the parameters of ``module`` that a DDP unit synchronizes (the ones its
+    # ``_set_params_and_buffers_to_ignore_for_model`` marked ``_ddp_ignored`` left out)
+    _get_data_parallel_params = staticmethod(nn.parallel.DistributedDataParallel._get_data_parallel_params)
+
+    def _update_process_group(self, new_process_group) -> None:
+        """torch's (private) way to move a DDP model onto another group (an elastic job's shrunk or
+        grown world). Refused: the buckets, their communicator and the cross-rank checks are built
+        for the construction's group, so wrap the module again on the new group."""
+        raise RuntimeError(
+            f"fusedist.DistributedDataParallel (rank {self.rank}): _update_process_group is not supported; the "
+            "buckets, their communicator and the cross-rank checks are built for the group given at construction. "
+            "Wrap the module again on the new group, DistributedDataParallel(model.module, process_group=new_group), "
+            "on every rank of that group: the new wrapper takes the parameters over from this one"
+        )
 
     def _get_ddp_logging_data(self) -> dict:
         """torch's DDP logging dict: settings, group, environment, buckets (Note [torch's DDP
@@ -154,6 +201,23 @@ class TorchDDPSurface:
                 if (key in keys) == ignored:
                     out.append((f"{prefix}.{key}" if prefix else key, t))
         return out
+
+
+TORCH_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # torch DDP's broadcast_bucket_size
+TORCH_BUCKET_CAP_MB = 25
+
+
+def torch_bucket_caps(bucket_cap_mb, bucket_cap_mb_list) -> tuple:
+    """torch DDP's ``(bucket_bytes_cap, bucket_bytes_cap_list, bucket_bytes_cap_default)`` for
+    these arguments: a list's largest cap is the cap, and only the default cap gives the first
+    bucket torch's smaller one (Note [torch's settings as attributes])."""
+    mib = 1024 * 1024
+    caps = [int(cap * mib) for cap in bucket_cap_mb_list] if bucket_cap_mb_list else []
+    default = bucket_cap_mb is None and not caps
+    cap_mb = max(bucket_cap_mb_list) if caps else (TORCH_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
+    cap = int(cap_mb * mib)
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES if default else cap
+    return cap, caps, first < cap
 
 
 def ignored_slots(module: nn.Module, names) -> "weakref.WeakKeyDictionary":

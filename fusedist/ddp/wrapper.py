@@ -204,6 +204,8 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
         self.device = module_device(module)
         check_device_ids(self.device, device_ids, output_device)
         self._init_surface(module, device_ids, output_device)  # torch's placement attributes, the ignored names
+        self._init_torch_settings(bucket_cap_mb, bucket_cap_mb_list, mixed_precision,
+                                  skip_all_reduce_unused_params, batched_grad_copy)
         refuse_dtensors(self.synced_parameters(), self.synced_buffers())  # Note [DDP over a tensor-parallel model]
         refuse_mixed_precision_casts(mixed_precision, self.synced_parameters(), self.synced_buffers())
         self.comm = get_communicator(process_group, self.device)

@@ -23,6 +23,10 @@ fusedist reaches outside its own objects in a few places, and each is here:
 * a chained ``sys.exit``, installed only once a communicator gave up: the status a program that
   caught the error asks for is noted, so the process ends with it right after the exit handlers
   (fusedist/comm/given_up_exit.py);
+* torch.distributed's internal functions that forget process groups (``_unregister_process_group``,
+  ``_unregister_all_process_groups``, which every destroy and abort calls once the group is gone) and
+  ``_abort_process_group``: a destroyed group's communicator is released at once
+  (fusedist/comm/group_ends.py);
 * ``atexit`` callbacks, run in reverse order of installation: a checkpoint still being
   written is finished, in-flight exchanges are drained before the interpreter finalizes
   (fusedist/comm), a rank leaving early says so to the others, a timeline is flushed.
@@ -39,7 +43,7 @@ import sys
 import threading
 from typing import Callable
 
-__all__ = ["at_exit", "chain_excepthook", "chain_sys_exit", "install_module_registration_hook",
+__all__ = ["at_exit", "chain_excepthook", "chain_sys_exit", "chain_module_function", "install_module_registration_hook",
            "install_optimizer_step_hooks", "install_parameter_registration_hook", "installed", "uninstall"]
 
 _lock = threading.Lock()
@@ -118,6 +122,25 @@ def chain_sys_exit(key: str, before: Callable[[object], None]) -> None:
             if sys.exit is exit:  # else someone chained after us: leave theirs in place
                 sys.exit = previous
 
+        _removers[key] = remove
+
+
+def chain_module_function(key: str, module, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Replace ``module.name`` by ``make(original)``, once per ``key`` (nothing where the module has no
+    such function). Looked up by name when called, so it reaches callers that imported the module, not
+    the function."""
+    with _lock:
+        if key in _removers:
+            return
+        previous = getattr(module, name, None)
+        if previous is None:
+            return
+        replacement = make(previous)
+        setattr(module, name, replacement)
+
+        def remove():
+            if getattr(module, name, None) is replacement:  # else someone chained after us: leave theirs
+                setattr(module, name, previous)
         _removers[key] = remove
 
 

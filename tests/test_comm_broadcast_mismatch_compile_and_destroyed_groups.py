@@ -12,11 +12,20 @@
   rank order too.
 * Rooted object exchanges whose ranks disagree on the root raise at once on every rank,
   naming each rank's root; a communicator whose group was destroyed refuses collectives.
+* Process groups that end: what fusedist lets go of when torch destroys a group (Note [when torch
+  forgets a group] in fusedist/comm/group_ends.py), and a dropped DDP wrapper whose step check is
+  still pending (Note [a pending check holds its model weakly] in fusedist/reliability/engine_watch.py).
 """
 
+import gc
+import weakref
+
+import pytest
 import torch
+import torch.distributed as dist
 
 from fusedist.testing import run_distributed
+from shared_rank_launch import fresh_compiler, launch_for_selected, results_of
 
 
 def _compiled_collectives(rank, world_size, seed):
@@ -91,8 +100,8 @@ def _compiled_collectives(rank, world_size, seed):
     return errors
 
 
-def test_collectives_called_from_a_compiled_function_match_eager():
-    for rank_errors in run_distributed(_compiled_collectives, 2, 1, timeout=180):
+def test_collectives_called_from_a_compiled_function_match_eager(launched):
+    for rank_errors in results_of(launched, "compiled"):
         assert rank_errors == []
 
 
@@ -137,8 +146,8 @@ def _sub_millisecond_waits(rank, world_size, seed):
     return outcomes, errors
 
 
-def test_sub_millisecond_wait_waits_as_torch_gloo_work_does():
-    for outcomes, errors in run_distributed(_sub_millisecond_waits, 2, 3, timeout=60):
+def test_sub_millisecond_wait_waits_as_torch_gloo_work_does(launched):
+    for outcomes, errors in results_of(launched, "sub_millisecond"):
         assert errors == []
         assert outcomes == [(name, "completed") for name, _ in outcomes], outcomes
 
@@ -224,9 +233,97 @@ def _rooted_objects_and_destroyed_groups(rank, world_size):
     return out
 
 
-def test_rooted_object_exchanges_disagreeing_on_the_root_and_destroyed_groups_raise():
-    for out in run_distributed(_rooted_objects_and_destroyed_groups, 2, timeout=60, env={"FUSEDIST_TIMEOUT_S": "10"}):
+def _destroyed_subgroup_lets_go(rank, world):
+    """A subgroup's communicator and monitor, then ``destroy_process_group(subgroup)``: nothing of
+    fusedist's holds them, or the group, once the destroy returns."""
+    from fusedist.comm import get_communicator
+    from fusedist.reliability import attach_monitor
+
+    group = dist.new_group(list(range(world)))
+    comm = get_communicator(group)
+    monitor = attach_monitor(comm)
+    total = torch.ones(3)
+    comm.all_reduce(total)
+    refs = {"communicator": weakref.ref(comm), "monitor": weakref.ref(monitor), "group": weakref.ref(group)}
+    del comm, monitor
+    gc.disable()  # (what the destroy frees, it frees itself: no collection of the test's)
+    try:
+        dist.destroy_process_group(group)
+        del group
+        alive = sorted(name for name, ref in refs.items() if ref() is not None)
+    finally:
+        gc.enable()
+    return {"sum": total.tolist(), "alive": alive}
+
+
+def _dropped_wrapper_frees_its_engine(rank, world, features):
+    """A DDP wrapper dropped with its last step's check still pending (carried by the last bucket where
+    ``features`` makes it small enough, its own all-reduce otherwise): its engine goes with it."""
+    from fusedist import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(features, features))
+    model(torch.randn(4, features)).sum().backward()
+    watch = model.watch
+    engine = weakref.ref(model.reducer)
+    carried = watch.carries(model.reducer)
+    pending = watch.step_check._pending is not None
+    monitor = watch.monitor
+    gc.disable()
+    try:
+        del model, watch
+        freed = engine() is None
+    finally:
+        gc.enable()
+    # what an exit entry published now says: where the dropped model was
+    position = monitor.context()
+    return {"carried": carried, "pending": pending, "freed": freed,
+            "position": (position.get("ddp_step"), position.get("ddp_forwards"))}
+
+
+SCENARIOS = {
+    "test_collectives_called_from_a_compiled_function_match_eager": {
+        "compiled": (fresh_compiler, (_compiled_collectives, 1)),
+    },
+    "test_sub_millisecond_wait_waits_as_torch_gloo_work_does": {
+        "sub_millisecond": (_sub_millisecond_waits, (3,)),
+    },
+    "test_destroying_a_group_releases_its_communicator_and_monitor_at_once": {
+        "subgroup": (_destroyed_subgroup_lets_go, ()),
+    },
+    "test_a_dropped_ddp_wrapper_with_a_pending_step_check_frees_its_engine_at_once": {
+        "carried": (_dropped_wrapper_frees_its_engine, (200,)),
+        "own_check": (_dropped_wrapper_frees_its_engine, (4,)),
+    },
+    # (last: it destroys the default group)
+    "test_rooted_object_exchanges_disagreeing_on_the_root_and_destroyed_groups_raise": {
+        "rooted": (_rooted_objects_and_destroyed_groups, ()),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    return launch_for_selected(request, SCENARIOS, 2, timeout=240, env={"FUSEDIST_TIMEOUT_S": "10"})
+
+
+def test_rooted_object_exchanges_disagreeing_on_the_root_and_destroyed_groups_raise(launched):
+    for out in results_of(launched, "rooted"):
         assert "rank 0: config (from rank 0); rank 1: config (from rank 1)" in out["broadcast_object"], out
         assert "rank 0: stats (to rank 1); rank 1: stats (to rank 0)" in out["gather_object"], out
         assert out["after"] == {"from": 1}
         assert "all_reduce [late]" in out["destroyed"] and "destroyed" in out["destroyed"], out["destroyed"]
+
+
+def test_destroying_a_group_releases_its_communicator_and_monitor_at_once(launched):
+    for rank, out in enumerate(results_of(launched, "subgroup")):
+        assert out["sum"] == [2.0, 2.0, 2.0], f"rank {rank}: {out['sum']}"
+        assert out["alive"] == [], f"rank {rank}: still alive right after destroy_process_group(group): {out['alive']}"
+
+
+def test_a_dropped_ddp_wrapper_with_a_pending_step_check_frees_its_engine_at_once(launched):
+    for scenario, carried in (("carried", True), ("own_check", False)):
+        for rank, out in enumerate(results_of(launched, scenario)):
+            assert out["carried"] is carried and out["pending"], f"{scenario}, rank {rank}: not the case meant: {out}"
+            assert out["freed"], f"{scenario}, rank {rank}: the engine outlived its dropped wrapper"
+            assert out["position"] == (1, 1), f"{scenario}, rank {rank}: the dropped model's position: {out}"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .base import CollectiveError, CommHandle, Communicator
 from .torch_comm import TorchCommunicator
 from .._process_hooks import at_exit, chain_excepthook
-from . import given_up_exit
+from . import given_up_exit, group_ends
 
 __all__ = [
     "CollectiveError",
@@ -75,6 +75,7 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
     if entry is None or entry[0] is not group_obj:
         comm = _cuda_factory(process_group, device) if use_nccl else TorchCommunicator(process_group)
         entry = _cache[key] = (group_obj, comm)
+        group_ends.watch(_groups_forgotten)  # Note [when torch forgets a group] in group_ends.py
     # (at every lookup: after _process_hooks.uninstall() a communicator already in use is
     # drained at exit again once it is next used)
     at_exit("drain in-flight exchanges", _drain_at_exit)  # Note [draining at exit]
@@ -150,14 +151,15 @@ def _aborted_error(comm: Communicator) -> CollectiveError:
 # "terminate called without an active exception" after the program has finished (seen about
 # once in 150 two-rank runs whose last collective was a gloo broadcast; the core showed a
 # ProcessGroupGloo worker in ``~AsyncBroadcastWork`` -> ``decref_pyobject`` ->
-# ``take_gil``). So every lookup, and an atexit hook, drop the communicators of groups torch
-# no longer has, stop their helper threads, and collect the cycles that held them. (A group
-# never destroyed stays torch's business, as without fusedist: call
-# ``destroy_process_group()`` before exiting.)
+# ``take_gil``). So the destroy itself (Note [when torch forgets a group] in group_ends.py), every
+# lookup, and an atexit hook, drop the communicators of groups torch no longer has, stop their
+# helper threads, and collect the cycles that held them. (A group never destroyed stays torch's
+# business, as without fusedist: call ``destroy_process_group()`` before exiting.)
 def release_destroyed_groups(collect: bool = True) -> int:
     """Forget (and stop the helper threads of) the cached communicators whose process group
-    ``torch.distributed`` has destroyed; returns how many. Runs on every
-    :func:`get_communicator` call and at interpreter exit (there with ``collect=False``: a
+    ``torch.distributed`` has destroyed; returns how many. Runs when torch destroys a group (Note
+    [when torch forgets a group] in group_ends.py), on every :func:`get_communicator` call and at
+    interpreter exit (at the first and the last with ``collect=False``: a
     collection only where a released communicator outlived its release, Note [a released
     communicator that outlives the exit hooks])."""
     stale = [key for key, (group, _) in _cache.items() if not _is_registered(group)]
@@ -175,6 +177,12 @@ def release_destroyed_groups(collect: bool = True) -> int:
         # them now, while the interpreter runs, rather than at its shutdown.
         gc.collect()
     return len(stale)
+
+
+def _groups_forgotten(aborted: bool) -> None:
+    """torch destroyed or aborted process groups (Note [when torch forgets a group] in group_ends.py)."""
+    if not aborted:
+        release_destroyed_groups(collect=False)
 
 
 def _weak(group):
@@ -234,6 +242,12 @@ def _join_limit(comm: Communicator) -> float:
 
 def _release(comm: Communicator) -> None:
     comm.release(join_timeout=_join_limit(comm))
+    left = getattr(comm.observer, "on_release", None)  # (the monitor: this rank left the group)
+    if left is not None:
+        try:
+            left(comm)
+        except Exception:  # noqa: BLE001 - what it says is for the peers' reports; the release goes on
+            pass
 
 
 def _drain(comm: Communicator) -> None:

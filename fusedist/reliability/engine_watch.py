@@ -149,6 +149,7 @@ class StepWatch(WatchBase, EngineObserver):
         self._carries: Optional[tuple] = None
         self._carry: Optional[tuple] = None
         self._carried: Optional[tuple] = None
+        self._farewell: Optional[weakref.finalize] = None  # (Note [a pending check holds its model weakly])
         super().__init__(engine.comm)
         self.param_every = param_check_every() if self.step_check is not None else 0
         if self.step_check is not None:
@@ -198,6 +199,11 @@ class StepWatch(WatchBase, EngineObserver):
 
     # ------------------------------------------------------------------ engine events
     def forward_begins(self, engine) -> None:
+        if self._farewell is None and self.monitor is not None:  # (the wrapper is known from the first forward)
+            owner = _wrapper_of(engine)
+            if owner is not None:
+                self._farewell = weakref.finalize(owner, _leave_position, weakref.ref(self.monitor), self)
+                self._farewell.atexit = False  # (a wrapper alive at exit is still its monitor's provider)
         self.settle()  # the last step's verdict, before this step's first collective
         self.forwards += 1
         self._sparse_flags = [p.requires_grad for p in _sparse_params(engine).values()]
@@ -274,17 +280,29 @@ class StepWatch(WatchBase, EngineObserver):
             self.clips,  # Note [a clip on some ranks only] in clip_check.py
             0,  # the parameter digest, when due, is written on the device
             0,  # replicas: fully_shard's (Note [replica check] in sharded_watch.py)
-        ], functools.partial(self._detail, engine, len(engine.layout.buckets), unused, checked_now,
-                             self._digest.describe if digest is not None else None,
+        ], functools.partial(_detail_of, weakref.ref(self), weakref.ref(engine), len(engine.layout.buckets), unused,
+                             checked_now, self._digest.describe if digest is not None else None,
                              bool(_sparse_params(engine))), digest
 
+    # Note [a pending check holds its model weakly]
+    # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    # A step's check stays pending until the next forward reads its verdict, and with it what its error
+    # would say (this detail). Holding the engine and the watch strongly there made a cycle (watch -> step
+    # check -> pending detail -> watch): a wrapper dropped after a backward left its engine -- module,
+    # gradients, buckets -- alive until a garbage collection, although everything else of it goes at once
+    # (Note [a dropped wrapper goes at once] in fusedist/ddp/wrapper.py). The detail holds both weakly: a
+    # verdict is read by the watch, which holds its engine, so they are alive whenever it is read. (That
+    # cycle had also kept the model's position for the exit entry of a program that returns from ``main``
+    # without destroying its group: the watch now leaves its position with the monitor when the wrapper
+    # goes, from a finalizer of the wrapper that holds the watch only as long as the wrapper lives.)
     def _detail(self, engine, buckets: int, unused: list, checked_now: bool, describe_params, sparse: bool) -> dict:
         """What an error of this check says besides the values: built only when one is raised."""
+        watch, model = weakref.ref(self), weakref.ref(engine)
         return {"buckets": buckets,
                 "unused_names": [engine.names[engine.index_of[p]] for p in unused],
                 "checked_now": checked_now,
-                "describe_trainable": lambda comm: self._describe_trainable(engine, comm),
-                "describe_modes": lambda comm: describe_modes(comm, _named_tree_modules(engine)),
+                "describe_trainable": lambda comm: _describe_live(watch, model, comm, trainable=True),
+                "describe_modes": lambda comm: _describe_live(watch, model, comm, trainable=False),
                 "describe_params": describe_params,
                 # Note [sparse weights in the step check]
                 "reported_at": "the end of that backward" if sparse else "the next training forward"}
@@ -407,6 +425,36 @@ class StepWatch(WatchBase, EngineObserver):
             "buckets_launched": f"{getattr(engine, 'next_launch', 0)}/{len(engine.layout.buckets)}",
             "buckets_finished": f"{getattr(engine, 'next_finish', 0)}/{len(engine.layout.buckets)}",
         }
+
+
+def _leave_position(monitor_ref, watch: StepWatch) -> None:
+    """The wrapper went: its monitor keeps where the model was (Note [a pending check holds its model weakly])."""
+    monitor = monitor_ref()
+    if monitor is not None:
+        try:
+            monitor.keep_position(watch.position())
+        except Exception:  # noqa: BLE001 - a finalizer never raises; the report just says less
+            pass
+
+
+def _detail_of(watch_ref, engine_ref, buckets: int, unused: list, checked_now: bool, describe_params,
+               sparse: bool) -> dict:
+    """The watch's detail of a check (Note [a pending check holds its model weakly]); only the values'
+    part once the model is gone."""
+    watch, engine = watch_ref(), engine_ref()
+    if watch is None or engine is None:
+        return {"buckets": buckets, "unused_names": [], "checked_now": checked_now}
+    return watch._detail(engine, buckets, unused, checked_now, describe_params, sparse)
+
+
+def _describe_live(watch_ref, engine_ref, comm, trainable: bool) -> list[str]:
+    """The trainable parameters' or the modes' lines of a detail (none once the model is gone)."""
+    watch, engine = watch_ref(), engine_ref()
+    if watch is None or engine is None:
+        return []
+    if trainable:
+        return watch._describe_trainable(engine, comm)
+    return describe_modes(comm, _named_tree_modules(engine))
 
 
 def _sparse_params(engine) -> dict:

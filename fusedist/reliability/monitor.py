@@ -76,6 +76,10 @@ class CollectiveMonitor:
         #: After how long a blocking wait starts the divergence probe (0: never; Note [divergence
         #: probe] in divergence.py); read by the communicator's handles.
         self.probe_delay_s = divergence_probe_s() if comm.world_size > 1 else 0.0
+        #: Where the last dropped model was (:meth:`keep_position`), for a report built once none is left.
+        self.last_position: Optional[dict] = None
+        #: The kind of the last entry :meth:`publish` left ("crash", "exit"; "" while none).
+        self.published = ""
         #: Whether this rank's ``checking`` entry is in the store (Note [a rank behind at the check]).
         self.check_announced = False
         #: What runs once before this monitor's next launch, by key (Note [work at a monitor's next launch]).
@@ -93,6 +97,12 @@ class CollectiveMonitor:
         # Note [reduce ops and roots in the divergence probe]: the variant, wherever the launch gave one.
         variant = getattr(handle, "variant", None)
         self.launch_times[handle.seq % HISTORY] = (handle.seq, time.monotonic(), label, variant)
+
+    def on_release(self, comm: Communicator) -> None:
+        """The communicator's group was destroyed on this rank: the peers still in it read that this rank
+        left, as they would at its exit (where the released monitor may no longer exist to say so)."""
+        if not _crashed:
+            self.publish("exit", "")
 
     # ---- work at the next launch (Note [work at a monitor's next launch])
     def before_next_launch(self, key: str, action: Callable[[], None]) -> None:
@@ -210,7 +220,15 @@ class CollectiveMonitor:
             except Exception:  # noqa: BLE001 - the report must not fail on a bad provider
                 pass
         self._context_providers = live
+        if not positions and self.last_position:  # (every model gone: where the last one was left)
+            return dict(self.last_position)
         return _pick_position(positions)
+
+    def keep_position(self, position: dict) -> None:
+        """A model on this communicator was dropped at ``position``: what a report built once no model is
+        left (an exit entry after ``main`` returned) says (Note [a pending check holds its model weakly] in
+        engine_watch.py)."""
+        self.last_position = position
 
     def _entry(self, kind: str, error: str) -> dict:
         return {"kind": kind, "error": error, "context": self.context(), "recent": list(self.history)}
@@ -219,6 +237,9 @@ class CollectiveMonitor:
         """Leave a ``crash`` or ``exit`` entry for the survivors' stall reports."""
         if self.reports:
             return  # this rank already published a failure entry; keep it
+        if kind == "exit" and self.published:
+            return  # (its crash, or its exit left at the group's destroy with the position then: kept)
+        self.published = kind
         if self.store is not None:
             stall_report.publish(self.store, self.group_name, self.generation, self.comm.rank,
                                  self._entry(kind=kind, error=error))

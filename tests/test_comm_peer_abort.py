@@ -1,20 +1,34 @@
-"""A peer that aborts its process groups, or whose process ends, fails a rank's exchange at once.
+"""A peer that aborts its process groups, or whose process ends, fails a rank's collective at once, naming it.
 
 * Rank 1 aborts its groups (``_abort_process_group()``, or one subgroup) while rank 0 waits in a fusedist all-reduce
   small enough for the exchange -- synchronous, ``async_op=True`` and waited for, and a DDP bucket in
   backward: rank 0 fails within seconds, naming rank 1 and its abort. Before, rank 0 waited out the
   group's timeout (30 s here): gloo's abort closes nothing, and fusedist's communicator kept rank 1's
   group, and its connections, alive (torch's own all-reduce failed at once: torch held no reference).
-* Rank 1's process ends (``os._exit``) while rank 0 waits: rank 0 fails within seconds, naming rank 1
-  and that its process may have ended.
+* The same while rank 0 waits in gloo's own all-reduce (a tensor over the exchange's size), its parts agreed
+  first, and in one of a communicator made with ``gloo_collectives="builtin"``: rank 0's error names rank 1 and
+  its abort, and the collective with its size (before: gloo's bare "Connection closed by peer [address]"; and
+  under "builtin" rank 0 waited out the group's timeout, the group's connections kept open).
+* Rank 0's own gloo all-reduce times out while rank 1 waits in an exchange on the same group: rank 1's error
+  quotes rank 0's failure (before: "rank 0 closed the connection and left no error: its process may have
+  ended").
+* Rank 1 aborts all its groups while rank 0 polls the store, as a store wait (a save's I/O barrier) would: the
+  abort's record there names rank 1 within seconds (before: nothing in the store changed); it is gone once
+  rank 1 has made a communicator again.
+* Rank 1's process is killed (SIGKILL) while rank 0 waits in an exchange and has gloo's own all-reduce in
+  flight on three other groups: all fail within seconds, naming rank 1 and that its process may have ended,
+  gloo's with the collective and its size -- and, on the two groups a monitor watches, with what rank 1
+  published there before its end: a crash, an early exit (before: gloo's bare "Connection closed by peer
+  [address]").
 
-One launch for all four (the synchronous one aborts a subgroup of its own; the others rebuild the default
-group after each abort; the exit scenario is last): each breaks its group, which a shared launch's scenarios
+One launch for all (the subgroup scenarios abort a subgroup of their own; the others rebuild the default
+group after each abort; the kill scenario is last): each breaks its group, which a shared launch's scenarios
 must not do.
 """
 
 import datetime
 import os
+import signal
 import time
 
 import pytest
@@ -26,7 +40,14 @@ from fusedist.testing import run_distributed
 GROUP_TIMEOUT_S = 30.0
 #: how soon a survivor must fail (well under the group's timeout, room for a loaded machine)
 PROMPT_S = 8.0
-SCENARIOS = ("sync", "async", "ddp bucket", "process exit")
+#: (gloo's own: over the exchange's 256 bytes)
+GLOO_NUMEL = 1 << 16
+SCENARIOS = ("sync", "async", "ddp bucket", "gloo all_reduce", "builtin all_reduce", "store record",
+             "builtin failure told", "process exit")
+#: the scenarios on a subgroup of their own, which alone they break (the default group goes on)
+SUBGROUP = ("sync", "gloo all_reduce", "builtin all_reduce", "builtin failure told")
+#: the timeout of rank 0's collective in "builtin failure told"
+SHORT_TIMEOUT_S = 1.0
 
 
 def _meet(store, name: str, rank: int, world: int) -> None:
@@ -42,8 +63,9 @@ def _fresh_group(store, index: int, rank: int, world: int) -> None:
                             world_size=world, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
 
 
-def _collective(scenario: str, group):
-    """What rank 0 runs, rank 1 leaves; built on both ranks (as a program holds its communicator and model)."""
+def _collective(scenario: str, group, rank: int):
+    """What rank 0 runs, rank 1 leaves (both run theirs in "builtin failure told"); built on both ranks (as a
+    program holds its communicator and model)."""
     import torch.distributed as dist
 
     from fusedist.comm import get_communicator
@@ -57,6 +79,38 @@ def _collective(scenario: str, group):
         def run():
             loss.backward()
             return model  # (held to the end: a DDP model dropped before backward does not reduce)
+    elif scenario == "store record":
+        from fusedist.checkpoint._writer import io_barrier
+
+        barrier = io_barrier("peer-abort/store record", rank, [0, 1])
+
+        def run():  # (a save's I/O barrier, which rank 1 never reaches: it polls the store)
+            barrier.wait("a test save")
+    elif scenario == "builtin failure told":
+        from fusedist.comm.torch_comm import TorchCommunicator
+
+        # rank 0 in gloo's own all-reduce, which rank 1 never launches, until its short timeout; rank 1 in an
+        # exchange's all-reduce meanwhile, which rank 0 never launches
+        if rank == 0:
+            comm = TorchCommunicator(group, timeout=datetime.timedelta(seconds=SHORT_TIMEOUT_S),
+                                     gloo_collectives="builtin")
+            comm.agree_parts = False  # (gloo's all-reduce itself times out, not the parts' messages first)
+            x = torch.ones(GLOO_NUMEL)
+        else:
+            comm = get_communicator(group)
+            x = torch.ones(32)
+
+        def run():
+            comm.all_reduce(x)
+    elif scenario in ("gloo all_reduce", "builtin all_reduce"):
+        from fusedist.comm.torch_comm import TorchCommunicator
+
+        comm = TorchCommunicator(group, gloo_collectives="builtin" if scenario.startswith("builtin") else "p2p")
+        x = torch.ones(GLOO_NUMEL)
+        comm.all_reduce(x)  # (one that pairs)
+
+        def run():
+            comm.all_reduce(x)
     else:
         comm = get_communicator(group if group is not None else dist.group.WORLD)
         x = torch.ones(32)
@@ -74,16 +128,39 @@ def _peer_abort(rank, world):
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
+    from fusedist.comm import aborted_groups
+
     measured = {}
     for index, scenario in enumerate(SCENARIOS, start=1):
-        # (the synchronous all-reduce on a group of its own, which alone is aborted: the default group goes on)
-        group = dist.new_group([0, 1]) if scenario == "sync" else None
-        run = _collective(scenario, group)
+        if scenario == "store record":
+            recorded_in = dist.distributed_c10d._get_default_store()
+        # (the subgroup scenarios on a group of their own, which alone is aborted: the default group goes on)
+        group = dist.new_group([0, 1]) if scenario in SUBGROUP else None
+        run = _collective(scenario, group, rank)
+        if scenario == "process exit":  # (gloo's own all-reduce in flight on groups of their own)
+            in_flight = {told: _in_flight(dist.new_group([0, 1]), rank, told) for told in (None, "crash", "exit")}
         _meet(store, f"{scenario}/ready", rank, world)
+        if scenario == "process exit" and rank == 0:  # (rank 1 has made communicators since its abort)
+            measured["record after the next communicator"] = aborted_groups.aborted_peers(recorded_in, [1])
+        if scenario == "builtin failure told":
+            # (what rank 1's wait says, its connection to rank 0 closed when rank 0's collective failed)
+            _, error = _waited(run)
+            key = f"peer-abort/{scenario}/rank 1"
+            if rank == 1:
+                store.set(key, error.encode())
+            else:
+                store.wait([key], datetime.timedelta(seconds=60))
+                measured[scenario] = store.get(key).decode()
+            del run
+            dist.distributed_c10d._abort_process_group(group)
+            continue
         if rank == 1:
             time.sleep(0.3)  # (rank 0 is waiting by then)
             if scenario == "process exit":
-                os._exit(3)
+                # (what an uncaught exception, and a rank leaving early, publish in their groups)
+                in_flight["crash"].publish("crash", "ValueError: injected failure")
+                in_flight["exit"].publish("exit", "")
+                os.kill(os.getpid(), signal.SIGKILL)
             dist.distributed_c10d._abort_process_group(group)
             del run
             # stays alive (its communicator cached, its groups aborted) until rank 0 is done
@@ -95,12 +172,38 @@ def _peer_abort(rank, world):
                 measured[scenario] = (time.monotonic() - start, "completed")
             except Exception as exc:  # noqa: BLE001 - the failure under test
                 measured[scenario] = (time.monotonic() - start, str(exc))
+            if scenario == "process exit":
+                for told, handle in in_flight.items():
+                    measured[f"gloo all_reduce in flight, {told} told"] = _waited(handle.wait)
             del run
             dist.distributed_c10d._abort_process_group(group)
             store.set(f"peer-abort/{scenario}/done", b"")
         if group is None and scenario != SCENARIOS[-1]:
             _fresh_group(store, index, rank, world)
     return measured
+
+
+def _in_flight(group, rank: int, told):
+    """On rank 0, gloo's own all-reduce launched (``async_op=True``: at once) on ``group``, which rank 1 never
+    launches; on rank 1 (which makes the group and its communicator alike), where ``told`` ("crash", "exit")
+    names what it will publish there, the monitor DDP attaches (None: no monitor)."""
+    from fusedist.comm import get_communicator
+    from fusedist.reliability import attach_monitor
+
+    comm = get_communicator(group)
+    monitor = attach_monitor(comm) if told is not None else None
+    comm.all_reduce(torch.ones(4))  # (one that pairs)
+    return comm.all_reduce(torch.ones(GLOO_NUMEL), async_op=True) if rank == 0 else monitor
+
+
+def _waited(wait) -> tuple:
+    """(seconds, "completed" or the error) of ``wait()``."""
+    start = time.monotonic()
+    try:
+        wait()
+        return time.monotonic() - start, "completed"
+    except Exception as exc:  # noqa: BLE001 - the failure under test
+        return time.monotonic() - start, str(exc)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +213,7 @@ def measured():
                               env={"FUSEDIST_STALL_REPORT_S": "0.5"})
     (status0, value0), (status1, value1) = results
     assert status0 == "ok", value0
-    assert status1 == "error" and "3" in value1, value1  # (its os._exit(3), nothing before)
+    assert status1 == "error" and "SIGKILL" in value1, value1  # (its kill, nothing before)
     return value0
 
 
@@ -122,7 +225,49 @@ def test_peer_abort_fails_the_survivor_at_once_naming_the_peer(measured, scenari
     assert "rank 1 closed the connection: it aborted its process groups" in error, error
 
 
+@pytest.mark.parametrize("scenario", ["gloo all_reduce", "builtin all_reduce"])
+def test_peer_abort_under_gloos_own_all_reduce_names_the_peer_and_the_collective(measured, scenario):
+    seconds, error = measured[scenario]
+    assert seconds < PROMPT_S, (f"{scenario}: rank 0 failed after {seconds:.1f} s (group timeout "
+                                f"{GROUP_TIMEOUT_S} s): {error}")
+    assert (f"all_reduce (tag '', collective #1) failed on rank 0 of 2: gloo's own all_reduce [{GLOO_NUMEL} x "
+            "torch.float32 per rank]: rank 1 closed the connection: it aborted its process groups") in error, error
+
+
+def test_peer_abort_of_all_groups_ends_a_save_barrier_in_the_store_at_once(measured):
+    """Note [an abort told to waits in the store] (fusedist/comm/aborted_groups.py): a save's I/O barrier
+    polls the store, which no closed connection reaches; it took the aborted rank for a silent process once
+    its beat's silence ran out (10 s), now it fails at its next poll naming the abort."""
+    seconds, error = measured["store record"]
+    assert seconds < PROMPT_S, f"no record of rank 1's abort after {seconds:.1f} s: {error}"
+    assert ("rank 0: waiting for the other ranks to be done with a test save, rank 1 aborted all its process "
+            "groups (torch.distributed's _abort_process_group): it will not arrive") in error, error
+
+
+def test_peer_finding_its_connection_closed_reads_why_gloos_own_collective_failed(measured):
+    error = measured["builtin failure told"]
+    assert ("rank 0 closed the connection because its side of a collective failed first (all_reduce (tag '', "
+            "collective #0) failed on rank 0 of 2: timed out") in error, error
+    assert f"(fusedist's collective timeout, {SHORT_TIMEOUT_S:g} s)" in error, error
+
+
+def test_abort_record_withdrawn_once_the_peer_makes_a_communicator_again(measured):
+    assert measured["record after the next communicator"] == {}
+
+
 def test_peer_process_exit_fails_the_survivor_at_once_naming_the_peer(measured):
     seconds, error = measured["process exit"]
     assert seconds < PROMPT_S, f"rank 0 failed after {seconds:.1f} s: {error}"
     assert "rank 1 closed the connection and left no error: its process may have ended" in error, error
+
+
+@pytest.mark.parametrize("told, why", [
+    (None, "rank 1 closed the connection and left no error: its process may have ended"),
+    ("crash", "rank 1 closed the connection: its process crashed with ValueError: injected failure (on "),
+    ("exit", "rank 1 closed the connection: it left the group without an error (its program ended, or destroyed "
+             "the group) while this rank still ran collectives there")])
+def test_peer_killed_under_gloos_own_all_reduce_names_the_peer_and_the_collective(measured, told, why):
+    seconds, error = measured[f"gloo all_reduce in flight, {told} told"]
+    assert seconds < PROMPT_S, f"rank 0 failed after {seconds:.1f} s: {error}"
+    assert (f"all_reduce (tag '', collective #1) failed on rank 0 of 2: gloo's own all_reduce [{GLOO_NUMEL} x "
+            f"torch.float32 per rank]: {why}") in error, error

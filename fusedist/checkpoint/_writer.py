@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ..comm import get_communicator
+from ..comm import aborted_groups, get_communicator
 from ..comm.objects import all_gather_object, broadcast_object
 from ..distributed import collective_timeout
 from .._process_hooks import at_exit
@@ -226,6 +226,13 @@ class IOBarrier:
             if arrived < size and now >= next_check:
                 next_check = now + min(1.0, limit / 4)
                 if self.store.check([outcome]):  # another rank gave up on this barrier
+                    break
+                # Note [an abort told to waits in the store] in fusedist/comm/aborted_groups.py
+                aborted = aborted_groups.aborted_peers(self.store, [r for r in self.ranks if r != self.ranks[self.rank]])
+                if aborted:
+                    self._decide(outcome, _GIVEN_UP + f"{self.who}: rank {self.ranks[self.rank]}: waiting for the "
+                                 f"other ranks to be done with {what}, {'; '.join(aborted.values())}: it will not "
+                                 "arrive")
                     break
                 silent = self._silent(seen, started, now, silence)
                 if not silent and now > give_up:

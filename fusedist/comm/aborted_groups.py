@@ -13,6 +13,17 @@ Note [aborting a group closes its connections]
     connections the way a gloo receive that times out does (a receive no peer sends, waited for a
     millisecond). The peer's wait fails at once and names this rank and the abort. Nothing is held: the
     exchanges are known by weak references, the aborted groups only while the abort runs.
+
+Note [an abort told to waits in the store]
+    Closed connections end the waits of collectives; a wait in the store (a save's I/O barrier, which polls
+    the store until every rank has arrived) sees none of them, and took the aborted rank, alive and
+    silent, for a process that hangs -- once its silence ran out (10 s by default), not at once. So an
+    abort of all of this process's groups (``_abort_process_group()``, or of the default group) also
+    leaves a record in the job's store, keyed by the global rank: the reason and a count of such records.
+    A store wait that polls anyway can ask :func:`aborted_peers` at each poll -- one store call while no
+    rank aborted -- and fail at once naming the rank and the abort. The record is withdrawn when this process
+    makes its next communicator (a new group after the abort: its peers' waits must not end on the old
+    one). Nothing is written until an abort.
 """
 
 from __future__ import annotations
@@ -22,7 +33,12 @@ import weakref
 
 _ABORTED = "aborted its process groups (torch.distributed's _abort_process_group), which closed the group's connections"
 
+#: The job-wide abort records (Note [an abort told to waits in the store]): ``{prefix}/{global rank}``,
+#: ``{prefix}/count``.
+_RECORDS = "fusedist/aborted_process"
+
 _lock = threading.Lock()
+_recorded: list = []  # (store, global rank) of this process's record, until its next communicator
 _watched: "weakref.WeakSet" = weakref.WeakSet()  # the ClosedConnections of this process's exchanges
 
 
@@ -48,11 +64,14 @@ def _install() -> None:
 
     def _abort_process_group(group=None):
         groups = _groups_aborted_by(group)
+        whole = _whole_process(group)  # (read before the abort forgets the default group)
         try:
             return original(group)
         finally:
             _close_aborted(groups)
             del groups  # (held no longer than the abort)
+            if whole is not None and distributed_c10d.GroupMember.WORLD is None:  # (the abort went through)
+                _record(*whole)
 
     _abort_process_group._fusedist_closes_connections = True
     _abort_process_group.__wrapped__ = original
@@ -95,3 +114,57 @@ def _close_connections(group) -> None:
     except Exception:  # noqa: BLE001 - nothing left to close
         return
     close_connections(group, rank, size)
+
+
+def aborted_peers(store, ranks: list) -> dict:
+    """``{global rank: what it left}`` for each of ``ranks`` (global) that aborted all its process groups
+    (Note [an abort told to waits in the store]); one store call while none did. Never raises."""
+    try:
+        if int(store.add(f"{_RECORDS}/count", 0)) <= 0:
+            return {}
+        found = {}
+        for rank in ranks:
+            key = f"{_RECORDS}/{rank}"
+            if store.check([key]):
+                found[rank] = store.get(key).decode()
+        return found
+    except Exception:  # noqa: BLE001 - a wait goes on as before where the store cannot say
+        return {}
+
+
+def withdraw_record() -> None:
+    """Withdraw this process's abort record, if it left one (it makes a communicator again). Never raises."""
+    with _lock:
+        recorded, _recorded[:] = list(_recorded), []
+    for store, rank in recorded:
+        try:
+            if store.delete_key(f"{_RECORDS}/{rank}"):
+                store.add(f"{_RECORDS}/count", -1)
+        except Exception:  # noqa: BLE001 - the store went with the old group: nothing left to withdraw
+            pass
+
+
+def _whole_process(group):
+    """(the job's store, this process's global rank) where aborting ``group`` aborts every group of this
+    process (None, or the default group), else None."""
+    from torch.distributed import distributed_c10d
+
+    if group is not None and group is not distributed_c10d.GroupMember.WORLD:
+        return None
+    try:
+        return distributed_c10d._get_default_store(), distributed_c10d.get_rank()
+    except Exception:  # noqa: BLE001 - no default group (nothing to abort), or no store: nothing to tell
+        return None
+
+
+def _record(store, global_rank: int) -> None:
+    """Leave the record of this process's abort in ``store`` (Note [an abort told to waits in the store])."""
+    try:
+        store.set(f"{_RECORDS}/{global_rank}",
+                  f"rank {global_rank} aborted all its process groups (torch.distributed's _abort_process_group)"
+                  .encode())
+        store.add(f"{_RECORDS}/count", 1)
+    except Exception:  # noqa: BLE001 - the store is gone too: the waits end as before
+        return
+    with _lock:
+        _recorded.append((store, global_rank))

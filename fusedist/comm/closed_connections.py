@@ -86,16 +86,24 @@ class ClosedConnections:
         except Exception:  # noqa: BLE001 - the store is gone too: the peers say less
             pass
 
-    def explain(self, peer_where: str, global_peer: int) -> str:
-        """What to say of a connection ``global_peer`` (``peer_where``: how errors name it) closed."""
-        failure = None
-        if self.store is not None:
-            key = self._key(global_peer)
-            try:
-                self.store.wait([key], datetime.timedelta(seconds=WAIT_S))
-                failure = self.store.get(key).decode()
-            except Exception:  # noqa: BLE001 - no entry within the wait
-                failure = None
+    def left_by(self, global_peer: int, wait_s: float) -> Optional[str]:
+        """The failure ``global_peer`` left, waited for up to ``wait_s`` (0: read now), or None."""
+        if self.store is None:
+            return None
+        key = self._key(global_peer)
+        try:
+            if wait_s > 0:
+                self.store.wait([key], datetime.timedelta(seconds=wait_s))
+            elif not self.store.check([key]):
+                return None
+            return self.store.get(key).decode()
+        except Exception:  # noqa: BLE001 - no entry within the wait
+            return None
+
+    def explain(self, peer_where: str, global_peer: int, wait_s: float = WAIT_S) -> str:
+        """What to say of a connection ``global_peer`` (``peer_where``: how errors name it) closed, its entry
+        waited for up to ``wait_s``."""
+        failure = self.left_by(global_peer, wait_s)
         if failure is not None and failure.startswith(aborted_groups.aborted_reason(f"rank {global_peer}")):
             return f"{peer_where} closed the connection: it {failure.split(' ', 2)[2]}"
         if failure is not None:

@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 
 from .._dtypes import real_pairs
-from . import given_up_exit, gloo_exchange
+from . import aborted_groups, given_up_exit, gloo_builtin_closed, gloo_exchange
 from . import part_agreement
 from .part_agreement import AgreedAllReduce
 from .base import CollectiveError, CommHandle, Communicator
 from .checks import _row_numel, _tag
+from .closed_connections import ClosedConnections, closed_by_peer
+from .group_ranks import global_ranks
 
 #: All-reduces up to this size go through the gloo exchange when their result does not depend
 #: on the summation order (Note [small all-reduces through the exchange]).
@@ -92,10 +94,18 @@ class TorchCommunicator(Communicator):
         mode = gloo_exchange.mode_from_env() if gloo_collectives is None else gloo_collectives
         if mode not in gloo_exchange.MODES:
             raise ValueError(f"gloo_collectives must be one of {gloo_exchange.MODES} or None, got {mode!r}")
+        # (an abort of this process's is over: Note [an abort told to waits in the store] in aborted_groups.py)
+        aborted_groups.withdraw_record()
+        #: This rank's failure for its peers, a peer's for this rank (Note [connections a peer closed]).
+        self._closing: Optional[ClosedConnections] = None
         if "gloo" in str(self.backend) and mode == "p2p":
             self.exchange = gloo_exchange.GlooExchange(process_group, self.rank, self.world_size, self.timeout)
             self.exchange.on_failure = self._group_failed.record  # Note [one failure per process group]
             self._timeout_changed()  # (bounded by the group's own timeout too)
+            self._closing = self.exchange._closing
+        elif "gloo" in str(self.backend):
+            global_rank = (global_ranks(self) or range(self.world_size))[self.rank]
+            self._closing = ClosedConnections(self._group_obj, global_rank)
 
     # Note [the exchange ends at the group's timeout]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -207,15 +217,22 @@ class TorchCommunicator(Communicator):
     # a successful wait costs nothing more --, later launches are refused naming it, and the exit
     # paths apply. A wait that ran out before the collective's deadline (``wait(timeout)`` shorter
     # than the communicator's, a slice of a probed wait) is not a failure: the collective goes on.
+    # The failure is also left in the store, before any connection is closed here, for a peer that
+    # finds its connection to this rank closed (Note [connections a peer closed] in closed_connections.py):
+    # its error said this rank "left no error: its process may have ended" while it lived.
     def _on_failure(self, handle, error: BaseException) -> Optional[BaseException]:
         work = handle._work
         # (parts that differed fail on every rank alike: the ranks are still in step)
         if (work is not None and "gloo" in str(self.backend) and not isinstance(work, gloo_exchange.ExchangeWork)
                 and not getattr(work, "mismatched", False)):
+            if not self.aborted:  # Note [a peer gone under gloo's own collective] in gloo_builtin_closed.py
+                error = gloo_builtin_closed.explained(self, handle, error, close_connections) or error
             # The first failure, or the wait the divergence probe ended (which gave the communicator up first)
             abandoned = not self.aborted or (self.gave_up is not None and self._stopped_at is None)
             if not self.aborted:
                 self.builtin_failure = str(error).removeprefix("fusedist: ")  # (it names the collective)
+                if self._closing is not None:  # (for a peer that finds the connection closed: before closing it)
+                    self._closing.publish(self.builtin_failure)
                 # (a program that catches the error and ends by sys.exit(n) ends at once, with n)
                 given_up_exit.watch_exit_requests()
             if abandoned and not work.is_completed():  # Note [closing the connections of an abandoned collective]
@@ -227,7 +244,7 @@ class TorchCommunicator(Communicator):
         reported = super()._on_failure(handle, error)
         if first:
             self._stopped_reported = reported
-        return reported
+        return reported or error  # (the error told again where the peer that closed it was named)
 
     # Note [closing the connections of an abandoned collective]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -515,29 +532,35 @@ _GROUP_FAILURES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _CLOSING_TAG = (1 << 30) - 1
 
 
-def close_connections(group, rank: int, world_size: int) -> None:
+def close_connections(group, rank: int, world_size: int, before_closing=None) -> list:
     """Close ``group``'s gloo connections (Note [closing the connections of an abandoned collective]):
     a receive from every peer that nobody sends, waited for a millisecond -- gloo answers the timeout
     by closing them. Through the group's backend, so it works on a group torch.distributed has already
     forgotten too (Note [aborting a group closes its connections] in aborted_groups.py); ``rank`` and
-    ``world_size`` are the group's. Never raises."""
+    ``world_size`` are the group's. Returns the peers whose connection a peer had closed already (posting
+    to them failed so: Note [a peer gone under gloo's own collective] in gloo_builtin_closed.py), after
+    ``before_closing(those peers)`` ran, before the others' connections close. Never raises."""
     try:
         backend = (group if group is not None else dist.group.WORLD)._get_backend(torch.device("cpu"))
     except Exception:  # noqa: BLE001 - not a gloo group (NCCL's abort ends its own work), or gone
-        return
-    works = []
+        return []
+    works, closed = [], []
     for peer in range(world_size):
         if peer == rank:
             continue
         try:
             works.append(backend.recv([torch.empty(1)], peer, _CLOSING_TAG))
-        except Exception:  # noqa: BLE001 - a connection closed already
-            pass
+        except Exception as exc:  # noqa: BLE001 - a connection closed already
+            if closed_by_peer(exc):
+                closed.append(peer)
+    if before_closing is not None:
+        before_closing(closed)
     for work in works:
         try:
             work.wait(datetime.timedelta(milliseconds=1))
         except Exception:  # noqa: BLE001 - the timeout that closes the connections
             pass
+    return closed
 
 
 def _is_alive(group) -> bool:

@@ -117,7 +117,7 @@ from ._pipeline_inference import (
     _FAILED, NOTICE_BYTES, NOTICE_WAIT_S, _notice, failure_message, notice_failure, notice_send_ops)
 from ._pipeline_notice_back import back_send_ops
 from ._pipeline_step_failures import last_schedule, put_back_gradients
-from ._pipeline_told_peers import count_published, with_the_failure_told_before
+from ._pipeline_told_peers import count_failed_step, count_published, with_the_failure_told_before
 from .reliability import failed_elsewhere
 
 
@@ -282,7 +282,7 @@ def publish_failure(stage, message: str) -> None:
     fusedist/reliability/failed_elsewhere.py)."""
     if not getattr(stage, "_published_elsewhere", None):
         stage._published_elsewhere = failed_elsewhere.publish(message) or None
-        count_published(stage._published_elsewhere or [])  # Note [the next step waits until the peers were told]
+        count_published(stage._published_elsewhere or [], stage)  # Note [the next step waits until the peers were told]
 
 
 def exchange(stage, message, on_zeros: bool = False):
@@ -301,6 +301,7 @@ def exchange(stage, message, on_zeros: bool = False):
     top = int(flag.item())
     if top == 0:
         return None
+    count_failed_step(stage)  # (a peer waiting on this rank: Note [the next step waits until the peers were told])
     src = 2 * size - top if top > size else size - top
     buffer = (_notice(stage, _FAILED, message) if src == me
               else torch.zeros(NOTICE_BYTES, dtype=torch.uint8, device=stage.device))

@@ -127,7 +127,7 @@ from ._pipeline_step_status import (
     backward_failure_told, began, micro_batches, publish_first_step_failure, put_back_buffers, several_armed,
     status_armed, step_end_failure, told_at_step_end)
 from ._pipeline_sync_switch import _sync_switch, _torch_data_parallel, _user_sync
-from ._pipeline_told_peers import wait_until_told
+from ._pipeline_told_peers import step_began, wait_until_told
 from ._pipeline_vote import backward_result, forward_vote
 from .reliability import failed_elsewhere
 
@@ -345,11 +345,12 @@ class PipelineStage(_TorchPipelineStage):
             plain = self._plain_stage = _sync_switch(self.submod) is None and not _torch_data_parallel(self.submod)
             after_the_last_step(self, schedule, plain)
             self._step, self._stepping = Step(), weakref.ref(schedule)
+            step_began(self)  # (its number, for the errors of Note [the next step waits until the peers...])
             if self.is_last:
                 guard_first_loss(schedule)  # Note [a first send that cannot be made, told upstream]
             wrap_step(schedule)  # Note [the targets a step was given] (_pipeline_schedule_step.py)
             if getattr(self, "_published_elsewhere", None):  # (the last step published its failure)
-                gave_up = wait_until_told(self._published_elsewhere)  # Note [the next step waits until the peers...
+                gave_up = wait_until_told(self, self._published_elsewhere)  # Note [the next step waits until the...
         began(self, schedule is not None)  # Note [a failure told at the step's end] (_pipeline_step_status.py)
         self._peers_gave_up_on = gave_up
         super().clear_runtime_states()

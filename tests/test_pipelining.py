@@ -1050,8 +1050,19 @@ def _dp_peer_failure_worker(rank, world_size, seed, micro_batch=2, cases=(("Dist
         except Exception as e:  # (a one-rank pipeline raises the loss's own ValueError)
             raised, collective = str(e), _collective_error_in_chain(e)
         out[wrap + (", shapes given" if shapes_given else "")] = (
-            time.monotonic() - began, raised, _failure_entries_left(), collective)
+            time.monotonic() - began, raised, _failure_entries_left(), collective, _failures_counted(schedule))
     return out
+
+
+def _failures_counted(schedule) -> int:
+    """The failed steps this rank counted in its stage's data-parallel group, for a peer's wait (Note [the next
+    step waits until the peers were told] in fusedist/_pipeline_told_peers.py)."""
+    from fusedist import _pipeline_told_peers as told_peers
+    from fusedist.reliability import monitor
+
+    comm = told_peers.reduction_comms(schedule._stage.submod)[0]
+    dp_monitor = next(m for m in list(monitor._monitors) if m.comm is comm)
+    return told_peers._published(dp_monitor, comm.rank)
 
 
 def _dp_pipeline(seed, pp_size, wrap, shapes_given, refused):
@@ -1137,8 +1148,12 @@ def test_a_failure_in_one_pipeline_fails_every_data_parallel_pipeline_promptly(l
     told = ("stage 1 (rank 1 of the pipeline's group, global rank 2) failed at micro-batch 2's loss: ValueError: "
             "the target of micro-batch 2 is refused")
     for rank, out in enumerate(results_of(launched4, "dp peer failure")):
-        for wrap, (seconds, raised, left, collective) in out.items():
+        for wrap, (seconds, raised, left, collective, counted) in out.items():
             assert raised is not None and told in raised, (rank, wrap, raised)
+            # every rank failed the step (told at its end): counted once, so that a peer that published it does
+            # not wait for this one at its next step -- but the peer that gave the group up when told, whose
+            # failure entry there answers that wait
+            assert counted == (0 if rank == 3 else 1), (rank, wrap, counted)
             assert seconds < 6, (rank, wrap, seconds, raised)
             assert left == [], (rank, wrap, left)  # withdrawn once told: a later wait is probed as before
             if rank == 3:  # (the failed rank's data-parallel peer: its reduction's wait ended by the probe)
@@ -1168,7 +1183,8 @@ def test_a_first_step_failure_at_micro_batch_0_fails_every_data_parallel_pipelin
     per_rank = results_of(launched4, "dp peer first step failure")
     for rank, out in enumerate(per_rank):
         assert set(out) == set(told), (rank, out)
-        for case, (seconds, raised, left, collective) in out.items():
+        for case, (seconds, raised, left, collective, counted) in out.items():
+            assert counted == (1 if rank in (0, 2) else 0), (rank, case, counted)  # (published; the peers gave up)
             assert raised is not None and told[case] in raised, (rank, case, raised)
             assert raised == per_rank[2][case][1], (rank, case, raised)  # the failing rank's own message
             assert seconds < 10, (rank, case, seconds, raised)  # (the collective timeout: 20 s)
@@ -1229,10 +1245,11 @@ def test_a_caught_first_step_failure_is_not_told_to_the_peers_once_training_goes
     assert per_rank[2]["seconds"] > float(PROMPT_PROBE["FUSEDIST_DIVERGENCE_PROBE_S"]), per_rank[2]  # it waited
 
 
-def _retry_racing_peer_worker(rank, world_size, seed, steps=2):
+def _retry_racing_peer_worker(rank, world_size, seed, steps=2, late_s=0.0):
     """pp=2 x dp=2 under fusedist DDP, the stages' shapes inferred by the first step: pipeline 0 (global ranks 0
     and 2) refuses micro-batch 0 of the first step (its shape inference fails), catches the error and takes the
-    next step at once, while pipeline 1 is still in its first step's reductions. Per step, this rank's error (None
+    next step at once, while pipeline 1 is still in its first step's reductions -- or, with ``late_s``, still
+    computing it: its loss of micro-batch 1 takes ``late_s`` seconds more. Per step, this rank's error (None
     where the step returned and the optimizer stepped) and its seconds; the stage's parameters after the last
     step, and the unpipelined model's after no step and after one mixing pipeline 0's second step with pipeline
     1's first."""
@@ -1240,6 +1257,8 @@ def _retry_racing_peer_worker(rank, world_size, seed, steps=2):
     module = schedule._stage.submod.module
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
     out = {"errors": [], "seconds": []}
+    if late_s and dp.get_local_rank() == 1 and pp.get_local_rank() == 1:
+        schedule._loss_fn = _late_at_call(schedule._loss_fn, 3, late_s)  # (the inference's call, micro-batches 0, 1)
     for step in range(steps):
         x, y = _dp_batch(seed + step, dp)
         if step == 0 and dp.get_local_rank() == 0 and pp.get_local_rank() == 1:
@@ -1257,6 +1276,18 @@ def _retry_racing_peer_worker(rank, world_size, seed, steps=2):
     out["params"] = [p.detach().clone() for p in module.parameters()]
     out["untrained"], out["offset"] = _sgd_reference(seed, stage, []), _sgd_reference(seed, stage, [(1, 0)])
     return out
+
+
+def _late_at_call(loss_fn, call: int, seconds: float):
+    """``loss_fn``, ``seconds`` slower at its ``call``-th call."""
+    calls = itertools.count(1)
+
+    def late(output, target):
+        if next(calls) == call:
+            time.sleep(seconds)
+        return loss_fn(output, target)
+
+    return late
 
 
 def _sgd_reference(seed, stage, pairs) -> list:
@@ -1307,6 +1338,30 @@ def test_a_first_step_failure_retried_at_once_is_told_before_the_next_reductions
             rank, max((p - q).abs().max().item() for p, q in zip(out["params"], out["offset"])))
 
 
+def test_a_retried_step_is_refused_on_every_rank_where_a_peer_reaches_its_reductions_late(launched4):
+    """Note [the next step waits until the peers were told] (fusedist/_pipeline_told_peers.py): as above, but
+    pipeline 1 reaches its first step's reductions a second after the wait's former bound (the probe's 0.5 s and
+    MARGIN_S). Pipeline 0's retry went on at that bound, its reductions paired with pipeline 1's of the failed
+    step: both steps returned, every rank applied one optimizer step mixing pipeline 0's second batch with
+    pipeline 1's first, and the next forward's step check named it by a count of forwards. Now the retry waits
+    until pipeline 1 reaches its reductions and is told: every rank's first step raises the failure, the retry
+    raises naming both steps, and no rank applies a step."""
+    cause = "shape inference (backward) failed at stage 1 (rank 1 of the pipeline's group): ValueError: the target " \
+            "of micro-batch 0 is refused"
+    for rank, out in enumerate(results_of(launched4, "retry past the wait")):
+        first, retry = out["errors"]
+        assert first is not None and cause in first, (rank, first)
+        assert retry is not None, (rank, out["errors"])
+        if rank in (0, 2):
+            assert "had given their group up when told of its failure in the step before (step #1; this is step #2" \
+                in retry and cause in retry, (rank, retry)
+        else:
+            assert "the previous step raised before its end" in retry, (rank, retry)
+        assert max(out["seconds"]) < 10, (rank, out["seconds"])  # (the collective timeout: 20 s)
+        assert all(torch.equal(p, q) for p, q in zip(out["params"], out["untrained"])), (
+            rank, max((p - q).abs().max().item() for p, q in zip(out["params"], out["offset"])))
+
+
 def test_a_one_rank_pipelines_failure_fails_its_data_parallel_peers_promptly(launched2):
     """Note [a one-rank pipeline's failure told to its data-parallel peers]: pp=1 x dp=2 (each rank a pipeline of
     one stage), rank 0's loss refuses micro-batch 0 of the first step, inferring the shapes (DDP) or given them
@@ -1320,7 +1375,8 @@ def test_a_one_rank_pipelines_failure_fails_its_data_parallel_peers_promptly(lau
     per_rank = results_of(launched2, "one-rank pipeline failure")
     for rank, out in enumerate(per_rank):
         assert set(out) == set(told), (rank, out)
-        for case, (seconds, raised, left, collective) in out.items():
+        for case, (seconds, raised, left, collective, counted) in out.items():
+            assert counted == (1 if rank in (0, 2) else 0), (rank, case, counted)  # (published; the peers gave up)
             assert raised is not None, (rank, case)
             assert seconds < 10, (rank, case, seconds, raised)  # (the collective timeout: 20 s)
             if rank == 1:
@@ -1671,6 +1727,9 @@ def launched4(request, tmp_path_factory):
             "recovered first step": (under_env, PROMPT_PROBE, _recovered_first_step_worker, seed)},
         "test_a_first_step_failure_retried_at_once_is_told_before_the_next_reductions": {  # (it too)
             "retry racing peer": (under_env, PROMPT_PROBE, _retry_racing_peer_worker, seed)},
+        "test_a_retried_step_is_refused_on_every_rank_where_a_peer_reaches_its_reductions_late": {  # (it too)
+            "retry past the wait": (under_env, PROMPT_PROBE, _retry_racing_peer_worker, seed, 2,
+                                    float(PROMPT_PROBE["FUSEDIST_DIVERGENCE_PROBE_S"]) + MARGIN_S + 1.0)},
     })
     return {"seed": seed, **launch_for_selected(request, jobs, 4, timeout=600)}
 

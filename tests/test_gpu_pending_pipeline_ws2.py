@@ -36,24 +36,13 @@ import traceback
 import pytest
 import torch
 from conftest import requires_rank_slots
+from test_gpu_pending_paths_ws2 import _device, _raised
 from torch import nn
 
-from fusedist.testing import device_for_rank, run_distributed
+from fusedist.testing import run_distributed
 
 WORLD = 2
 pytestmark = [pytest.mark.gpu, requires_rank_slots(WORLD)]
-
-
-def _device(rank: int) -> torch.device:
-    return torch.device("cuda", device_for_rank(rank)) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _raised(call):
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test reads what was raised
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 # ------------------------------------------------------------------ pipeline failures, own launch

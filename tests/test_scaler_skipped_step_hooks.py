@@ -51,17 +51,22 @@ def _loop(params, opt, scaler, seed, unscale_first):
     return calls, ema
 
 
-@pytest.mark.parametrize("fused_group", [False, True])
-@pytest.mark.parametrize("unscale_first", [False, True])
-def test_a_skipped_step_runs_the_optimizers_hooks_as_torch(fused_group, unscale_first):
-    """Before: the pre- and post-hooks ran on both skipped steps (EMA 1e-1 away, 10 calls
-    where torch's made 6)."""
+def _twins(fused_group: bool) -> tuple:
+    """(seed, our parameters, torch's equal copies, the optimizers' settings, the scalers' settings)."""
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(4,), (2, 3)]]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     kw = dict(lr=0.1, fused=True) if fused_group else dict(lr=0.1)
-    settings = dict(init_scale=2.0 ** 6, growth_interval=2)
+    return seed, ours, theirs, kw, dict(init_scale=2.0 ** 6, growth_interval=2)
+
+
+@pytest.mark.parametrize("fused_group", [False, True])
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_a_skipped_step_runs_the_optimizers_hooks_as_torch(fused_group, unscale_first):
+    """Before: the pre- and post-hooks ran on both skipped steps (EMA 1e-1 away, 10 calls
+    where torch's made 6)."""
+    seed, ours, theirs, kw, settings = _twins(fused_group)
     got = _loop(ours, FusedAdamW(ours, **kw), GradScaler("cpu", **settings), seed, unscale_first)
     want = _loop(theirs, torch.optim.AdamW(theirs, **kw), torch.amp.GradScaler("cpu", **settings), seed, unscale_first)
     assert got[0] == want[0], (seed, got[0], want[0])
@@ -103,12 +108,7 @@ def _loop_with_step_wrapper(params, opt, scaler, seed):
 def test_a_skipped_step_calls_no_step_wrapper_set_on_the_optimizer_as_torch(fused_group):
     """Before: the wrapper ran on both skipped steps, so the accelerate-style loop saw no
     overflow and halved the LR five times, where torch's skipped steps left it at three."""
-    seed = random.randrange(2**31)
-    gen = torch.Generator().manual_seed(seed)
-    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(4,), (2, 3)]]
-    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    kw = dict(lr=0.1, fused=True) if fused_group else dict(lr=0.1)
-    settings = dict(init_scale=2.0 ** 6, growth_interval=2)
+    seed, ours, theirs, kw, settings = _twins(fused_group)
     got = _loop_with_step_wrapper(ours, FusedAdamW(ours, **kw), GradScaler("cpu", **settings), seed)
     want = _loop_with_step_wrapper(theirs, torch.optim.AdamW(theirs, **kw), torch.amp.GradScaler("cpu", **settings),
                                    seed)

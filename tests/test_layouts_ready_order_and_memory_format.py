@@ -58,7 +58,8 @@ def _memory_format_worker(rank, world, which, formats):
             opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
     except fusedist.RankMismatchError as e:
         return str(e)
-    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(rank))
+    # (ZeRO without a DDP model needs the same gradients on every rank: Note [gradients nobody averaged])
+    x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(rank if which == "ddp" else 0))
     model(x).square().mean().backward()
     opt.step()
     inner = model.module if which == "ddp" else model

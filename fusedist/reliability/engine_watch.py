@@ -202,7 +202,10 @@ class StepWatch(WatchBase, EngineObserver):
         if self._farewell is None and self.monitor is not None:  # (the wrapper is known from the first forward)
             owner = _wrapper_of(engine)
             if owner is not None:
-                self._farewell = weakref.finalize(owner, _leave_position, weakref.ref(self.monitor), self)
+                # (both weakly: a finalizer's arguments live until the wrapper goes, and the watch reaches the
+                # wrapper through its engine -- a ZeRO stage-2 optimizer's strategy holds it -- so a strong one
+                # kept the wrapper alive for good)
+                self._farewell = weakref.finalize(owner, _leave_position, weakref.ref(self.monitor), weakref.ref(self))
                 self._farewell.atexit = False  # (a wrapper alive at exit is still its monitor's provider)
         self.settle()  # the last step's verdict, before this step's first collective
         self.forwards += 1
@@ -294,7 +297,7 @@ class StepWatch(WatchBase, EngineObserver):
     # verdict is read by the watch, which holds its engine, so they are alive whenever it is read. (That
     # cycle had also kept the model's position for the exit entry of a program that returns from ``main``
     # without destroying its group: the watch now leaves its position with the monitor when the wrapper
-    # goes, from a finalizer of the wrapper that holds the watch only as long as the wrapper lives.)
+    # goes, from a finalizer of the wrapper, which holds the watch weakly.)
     def _detail(self, engine, buckets: int, unused: list, checked_now: bool, describe_params, sparse: bool) -> dict:
         """What an error of this check says besides the values: built only when one is raised."""
         watch, model = weakref.ref(self), weakref.ref(engine)
@@ -427,10 +430,11 @@ class StepWatch(WatchBase, EngineObserver):
         }
 
 
-def _leave_position(monitor_ref, watch: StepWatch) -> None:
-    """The wrapper went: its monitor keeps where the model was (Note [a pending check holds its model weakly])."""
-    monitor = monitor_ref()
-    if monitor is not None:
+def _leave_position(monitor_ref, watch_ref) -> None:
+    """The wrapper went: its monitor keeps where the model was (Note [a pending check holds its model weakly]);
+    nothing where the watch went first (collected with the wrapper in one cycle)."""
+    monitor, watch = monitor_ref(), watch_ref()
+    if monitor is not None and watch is not None:
         try:
             monitor.keep_position(watch.position())
         except Exception:  # noqa: BLE001 - a finalizer never raises; the report just says less

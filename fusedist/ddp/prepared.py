@@ -53,8 +53,10 @@ def refuse_compiled_autograd(owner: str, alternative: str = "torch's Distributed
     communicator included, and never runs the end-of-backward callback, so no backward could
     synchronize; every rank stalled until the collective timeout with an error about a traced
     ``group.send``. Checked at each training forward, on every rank alike (the setting is the
-    program's), and as a backward begins (enabled around the backward alone; the hooks then
-    run inside the compiled backward's region); dynamo is not imported for it."""
+    program's; not under dynamo's ``compiled_autograd`` setting: Note [compiled autograd enabled by
+    a compiled frame] in compiled_autograd.py), and as a backward begins (enabled around the
+    backward alone; the hooks then run inside the compiled backward's region); dynamo is not
+    imported for it."""
     compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
     # (a hook the compiled backward calls runs with the first flag off and the second on)
     if compiled_autograd is not None and (getattr(compiled_autograd, "compiled_autograd_enabled", False)
@@ -62,7 +64,8 @@ def refuse_compiled_autograd(owner: str, alternative: str = "torch's Distributed
         raise RuntimeError(
             f"fusedist {owner}: compiled autograd is enabled (torch._dynamo.compiled_autograd), which traces "
             "the gradient hooks and skips the end-of-backward callback the gradient synchronization needs. "
-            "Run the backward without compiled autograd (torch.compile of the model still works), or use "
+            "Run the backward without compiled autograd (torch.compile of the model still works; under "
+            "torch._dynamo.config.compiled_autograd, call loss.backward() outside the compiled function), or use "
             f"{alternative}")
 
 

@@ -23,12 +23,13 @@ from .arguments import (buffer_sync_settings, check_device_ids, group_of, module
                         reduce_dtype_from_mixed_precision, refuse_dtensors, refuse_mixed_precision_casts)
 from .buffer_broadcast import BufferBroadcast
 from .comm_hook import register_builtin_comm_hook, register_comm_hook
+from .compiled_autograd import refuse_compiled_autograd_at_forward
 from .config import DDPConfig, first_bucket_cap
 from .copies import construction_checks, copy_wrapper
 from .grad_hook import still_in_order
 from .logging_data import bucket_sizes
 from .module_swap import swap_module
-from .prepared import arm_again_through, refuse_compiled_autograd
+from .prepared import arm_again_through
 from .reducer import Reducer
 from .sparse import SparseGradients, sparse_parameter_ids
 from .static_graph import ArrivalCounts
@@ -345,7 +346,7 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
         if self._superseded_by is not None:
             raise RuntimeError(self._superseded_by)
         if torch.is_grad_enabled():
-            refuse_compiled_autograd(type(self).__name__)
+            refuse_compiled_autograd_at_forward(type(self).__name__)
             self._synced_forwards += self._no_sync_depth == 0  # Note [torch's DDP logging data]
             if traced:
                 self._sparse.refuse_compiled(self.rank)

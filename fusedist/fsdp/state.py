@@ -86,7 +86,9 @@ Note [compiled autograd refused]
     reduction, and the step then refused "before any backward pass". So a training forward
     of the root and every backward pre-hook raise at once, naming it, as DDP's forward does
     (``fusedist/ddp/prepared.py``); ``torch.compile`` of the model and of a whole training
-    step work.
+    step work. Under ``torch._dynamo.config.compiled_autograd`` the forward leaves it to the
+    backward pre-hook (Note [compiled autograd enabled by a compiled frame] in
+    ``fusedist/ddp/compiled_autograd.py``).
 
 Note [frozen parameters in backward]
     Counting gradient accumulations tells when a unit's backward is over only if every
@@ -176,6 +178,7 @@ from typing import Optional
 
 import torch
 
+from ..ddp.compiled_autograd import refuse_compiled_autograd_at_forward
 from ..ddp.prepared import refuse_compiled_autograd
 from . import recovery
 from .aliased_outputs import copy_views_of_gathered
@@ -206,7 +209,8 @@ def _cast(dtype, obj):
     return _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj)
 
 
-_WITH_COMPILED_AUTOGRAD = "torch's fully_shard (FSDP2)"
+_WITH_COMPILED_AUTOGRAD = ("torch's fully_shard (FSDP2) where it supports compiled autograd (check its gradients: on a "
+                           "CPU mesh with torch 2.13 its first unit's were left unreduced)")
 
 
 class FullyShardState:
@@ -310,7 +314,8 @@ class FullyShardState:
                 and not recovery.later_group_member(self, module):
             recovery.recover_aborted_forward(ctx, module)  # Note [aborted forward]
         if self.is_root and torch.is_grad_enabled():
-            refuse_compiled_autograd("fully_shard", _WITH_COMPILED_AUTOGRAD)  # Note [compiled autograd refused]
+            # Note [compiled autograd refused]
+            refuse_compiled_autograd_at_forward("fully_shard", _WITH_COMPILED_AUTOGRAD)
         if len(self.modules) > 1:  # Note [a list of modules as one unit] in members.py
             if self._group_pending:  # a later member of this call: the unit is gathered already
                 if unit is not None and torch.is_grad_enabled() and not all(sp.requires_grad for sp in unit.sharded):

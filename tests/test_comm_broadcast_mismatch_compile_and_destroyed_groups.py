@@ -13,7 +13,9 @@
 * Rooted object exchanges whose ranks disagree on the root raise at once on every rank,
   naming each rank's root; a communicator whose group was destroyed refuses collectives.
 * Process groups that end: what fusedist lets go of when torch destroys a group (Note [when torch
-  forgets a group] in fusedist/comm/group_ends.py), and a dropped DDP wrapper whose step check is
+  forgets a group] in fusedist/comm/group_ends.py) -- the group too where the program still holds
+  its communicator (Note [a released communicator lets go of its group] in
+  fusedist/comm/released_group.py) --, and a dropped DDP wrapper whose step check is
   still pending (Note [a pending check holds its model weakly] in fusedist/reliability/engine_watch.py).
 """
 
@@ -224,7 +226,13 @@ def _rooted_objects_and_destroyed_groups(rank, world_size):
     # the group is still in step: a matching exchange works
     out["after"] = broadcast_object(comm, {"from": rank}, 1, tag="config")
     x = torch.ones(3)
-    dist.destroy_process_group()
+    world = weakref.ref(dist.group.WORLD)
+    gc.disable()  # (the held communicator lets go of the default group itself: no collection of the test's)
+    try:
+        dist.destroy_process_group()
+        out["group alive"] = world() is not None
+    finally:
+        gc.enable()
     try:
         comm.all_reduce(x, tag="late")
         out["destroyed"] = "no error"
@@ -254,6 +262,78 @@ def _destroyed_subgroup_lets_go(rank, world):
     finally:
         gc.enable()
     return {"sum": total.tolist(), "alive": alive}
+
+
+def _held_communicator_lets_go(rank, world):
+    """A subgroup's communicator (its exchange, gloo's own all-reduce, a background exchange and a monitor
+    used), still held after ``destroy_process_group(subgroup)``: it holds the group no more, and refuses
+    collectives naming them (Note [a released communicator lets go of its group] in released_group.py)."""
+    from fusedist.comm import get_communicator
+    from fusedist.reliability import attach_monitor
+
+    group = dist.new_group(list(range(world)))
+    comm = get_communicator(group)
+    attach_monitor(comm)
+    small, large, gathered = torch.ones(3), torch.ones(1000), torch.empty(2 * world)
+    comm.all_reduce(small)
+    comm.all_reduce(large)
+    comm.all_gather(gathered, torch.full((2,), float(rank)), async_op=True).wait()
+    comm.barrier()
+    held = weakref.ref(group)
+    gc.disable()  # (what the destroy frees, it frees itself: no collection of the test's)
+    try:
+        dist.destroy_process_group(group)
+        del group
+        alive = held() is not None
+    finally:
+        gc.enable()
+    refused = {}
+    for op, call in (("all_reduce", lambda: comm.all_reduce(torch.ones(3), tag="late")),
+                     ("broadcast", lambda: comm.broadcast(torch.ones(3), 0, tag="late")),
+                     ("all_gather", lambda: comm.all_gather(torch.empty(2 * world), torch.ones(2), async_op=True))):
+        try:
+            call()
+            refused[op] = "no error"
+        except RuntimeError as exc:
+            refused[op] = str(exc)
+    return {"sums": (small.tolist(), large[:2].tolist(), gathered.tolist()), "alive": alive, "refused": refused}
+
+
+def _in_flight_across_the_destroy(rank, world):
+    """Rank 0 launches gloo's own all-reduce on a subgroup (its parts not agreed first: the launch is gloo's at
+    once) that rank 1 never joins, destroys the group, then waits: torch's destroy would block until the group's
+    timeout (15 s here), freeing a group with a collective in flight."""
+    import datetime
+    import time
+
+    from fusedist.comm import get_communicator
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=15))
+    comm = get_communicator(group)
+    comm.agree_parts, comm.timeout = False, datetime.timedelta(seconds=1)
+    if rank == 1:  # (its group lives on until rank 0 is done: freed, it would close rank 0's connection)
+        dist.barrier()
+        dist.destroy_process_group(group)
+        return {}
+    handle = comm.all_reduce(torch.ones(1000), tag="alone", async_op=True)
+    held = weakref.ref(group)
+    start = time.monotonic()
+    dist.destroy_process_group(group)
+    del group
+    out = {"destroy_s": time.monotonic() - start}
+    try:
+        handle.wait()
+        out["wait"] = "no error"
+    except RuntimeError as exc:
+        out["wait"] = str(exc)
+    gc.disable()
+    try:
+        del handle
+        out["freed_s"], out["alive"] = time.monotonic() - start, held() is not None
+    finally:
+        gc.enable()
+    dist.barrier()
+    return out
 
 
 def _dropped_wrapper_frees_its_engine(rank, world, features):
@@ -291,6 +371,10 @@ SCENARIOS = {
     "test_destroying_a_group_releases_its_communicator_and_monitor_at_once": {
         "subgroup": (_destroyed_subgroup_lets_go, ()),
     },
+    "test_a_held_communicator_lets_go_of_its_destroyed_group_and_refuses_collectives": {
+        "held": (_held_communicator_lets_go, ()),
+        "in_flight": (_in_flight_across_the_destroy, ()),
+    },
     "test_a_dropped_ddp_wrapper_with_a_pending_step_check_frees_its_engine_at_once": {
         "carried": (_dropped_wrapper_frees_its_engine, (200,)),
         "own_check": (_dropped_wrapper_frees_its_engine, (4,)),
@@ -313,12 +397,32 @@ def test_rooted_object_exchanges_disagreeing_on_the_root_and_destroyed_groups_ra
         assert "rank 0: stats (to rank 1); rank 1: stats (to rank 0)" in out["gather_object"], out
         assert out["after"] == {"from": 1}
         assert "all_reduce [late]" in out["destroyed"] and "destroyed" in out["destroyed"], out["destroyed"]
+        assert "the default process group of this communicator was destroyed" in out["destroyed"], out["destroyed"]
+        assert not out["group alive"], "the held communicator kept the destroyed default group alive"
 
 
 def test_destroying_a_group_releases_its_communicator_and_monitor_at_once(launched):
     for rank, out in enumerate(results_of(launched, "subgroup")):
         assert out["sum"] == [2.0, 2.0, 2.0], f"rank {rank}: {out['sum']}"
         assert out["alive"] == [], f"rank {rank}: still alive right after destroy_process_group(group): {out['alive']}"
+
+
+def test_a_held_communicator_lets_go_of_its_destroyed_group_and_refuses_collectives(launched):
+    for rank, out in enumerate(results_of(launched, "held")):
+        small, large, gathered = out["sums"]
+        assert small == [2.0] * 3 and large == [2.0] * 2, f"rank {rank}: {out['sums']}"
+        assert gathered == [0.0, 0.0, 1.0, 1.0], f"rank {rank}: {out['sums']}"
+        assert not out["alive"], f"rank {rank}: the held communicator kept its destroyed group alive"
+        for op, message in out["refused"].items():
+            assert message.startswith(f"fusedist {op}") and f"on rank {rank} of 2: not launched" in message, message
+            assert "the process group of this communicator was destroyed" in message, message
+    # a collective in flight across the destroy keeps the group until its wait ends: the destroy returns at once,
+    # the wait fails at fusedist's deadline (1 s) naming the destroy, and the group goes with the handle
+    out = results_of(launched, "in_flight")[0]
+    assert out["destroy_s"] < 5, f"the destroy waited {out['destroy_s']:.1f} s for the collective in flight"
+    assert "all_reduce (tag 'alone'" in out["wait"] and "rank 0 of 2" in out["wait"], out["wait"]
+    assert "destroyed (torch.distributed.destroy_process_group()) while this collective" in out["wait"], out["wait"]
+    assert not out["alive"] and out["freed_s"] < 10, f"the group outlived the failed wait: {out}"
 
 
 def test_a_dropped_ddp_wrapper_with_a_pending_step_check_frees_its_engine_at_once(launched):

@@ -83,6 +83,9 @@ class CommHandle:
         self._launched = time.monotonic()  # Note [one deadline per collective]
         self._callbacks: list[Callable[[], None]] = []
         self._done = work is None
+        #: Kept alive until the wait ends: a group destroyed under the collective is freed after it (Note [a
+        #: released communicator lets go of its group] in released_group.py).
+        self._group = comm._group_while_in_flight() if work is not None else None
         self._error: Optional[BaseException] = None
         #: Launched with ``async_op=True`` (set by the launch): whether a wait may be sliced; and
         #: this rank's part (a tensor whose size every rank's must match; None for an all-to-all),
@@ -122,6 +125,7 @@ class CommHandle:
         except CollectiveError as exc:
             # [reliability] observed like any other failure; may come back as a stall report.
             self._error = self._comm._on_failure(self, exc) or exc
+            self._group = None
             if self._error is exc:
                 raise
             raise self._error from exc
@@ -139,9 +143,10 @@ class CommHandle:
             )
             # [reliability] the observer may return a richer error (a stall report): raise that.
             self._error = self._comm._on_failure(self, self._error) or self._error
+            self._group = None
             raise self._error from exc
         self._done = True
-        self._work = None
+        self._work = self._group = None
         callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn()
@@ -287,6 +292,10 @@ class Communicator(abc.ABC):
         """End a watched wait for ``work`` the probe gave up on (``verdict``): its caller's wait fails.
         False where ``work`` had completed (nothing was ended)."""
         return False
+
+    def _group_while_in_flight(self):
+        """What a handle keeps alive until its wait ends (the process group where one is held); None by default."""
+        return None
 
     def _transport_timeout(self, work) -> Optional[float]:
         """Seconds after which the transport itself gives up on ``work`` whatever fusedist's

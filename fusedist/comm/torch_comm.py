@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .._dtypes import real_pairs
 from . import aborted_groups, given_up_exit, gloo_builtin_closed, gloo_exchange
-from . import part_agreement
+from . import part_agreement, released_group
 from .part_agreement import AgreedAllReduce
 from .base import CollectiveError, CommHandle, Communicator
 from .checks import _row_numel, _tag
@@ -72,6 +72,9 @@ class TorchCommunicator(Communicator):
         self.group = process_group
         #: The group object itself (the default group resolved): what "destroyed" is asked of.
         self._group_obj = process_group if process_group is not None else dist.group.WORLD
+        #: Whether it serves the default group (for messages, also once ``release()`` dropped the group) and whether
+        #: it was released (Note [a released communicator lets go of its group] in released_group.py).
+        self._on_default_group, self.released = process_group is None, False
         super().__init__(dist.get_rank(process_group), dist.get_world_size(process_group), timeout)
         self.backend = dist.get_backend(process_group)
         self._seq = _SequenceCounter()
@@ -126,7 +129,7 @@ class TorchCommunicator(Communicator):
 
     def _group_timeout(self) -> Optional[float]:
         """The process group's own timeout in seconds (gloo's), or None where it cannot be read."""
-        if "gloo" not in str(self.backend):
+        if "gloo" not in str(self.backend) or self.released:
             return None
         try:
             return self._group_obj._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -236,7 +239,7 @@ class TorchCommunicator(Communicator):
                 # (a program that catches the error and ends by sys.exit(n) ends at once, with n)
                 given_up_exit.watch_exit_requests()
             if abandoned and not work.is_completed():  # Note [closing the connections of an abandoned collective]
-                close_connections(self.group, self.rank, self.world_size)
+                self._close_connections()
         first = self.aborted and self._stopped_at is None  # (Note [refusing collectives of a given-up communicator])
         if first:
             named = isinstance(error, CollectiveError) and error.seq >= 0
@@ -286,32 +289,35 @@ class TorchCommunicator(Communicator):
             return False
         if isinstance(work, gloo_exchange.ExchangeWork):
             work.ended_by = verdict  # (what its error, and the entry its peers read, say)
-        close_connections(self.group, self.rank, self.world_size)
+        self._close_connections()
         return True
 
+    def _close_connections(self) -> None:
+        """Close the group's connections (Note [closing the connections of an abandoned collective]); once released,
+        only while something else still holds the group (Note [a released communicator lets go of its group])."""
+        group = released_group.held_elsewhere(self) if self.released else self._group_obj
+        if group is not None:
+            close_connections(group, self.rank, self.world_size)
+
+    def _group_while_in_flight(self):
+        return self._group_obj
+
+    def release(self, join_timeout: Optional[float] = None) -> None:
+        try:
+            super().release(join_timeout)
+        finally:  # Note [a released communicator lets go of its group] in released_group.py
+            released_group.let_go(self)
+
     def _check_group_alive(self, op: str, tag: str) -> None:
-        """Refuse a collective on a process group ``destroy_process_group`` has destroyed, as
-        torch.distributed's own collectives do. Why: the communicator still holds the group
-        object, whose connections live on, so the collective would run on a group the program
-        gave up -- and pair with whatever a peer still holding it issues -- rather than fail."""
-        if _is_alive(self._group_obj):
-            return
-        what = "default process group" if self.group is None else "process group"
-        raise RuntimeError(
-            f"fusedist {op}{_tag(tag)} on rank {self.rank} of {self.world_size}: not launched, the {what} of "
-            "this communicator was destroyed "
-            "(torch.distributed.destroy_process_group()); get a communicator for a live group "
-            "(fusedist.comm.get_communicator) and rebuild what holds the old one (DDP, ZeRO)")
+        """Refuse a collective on a process group ``destroy_process_group`` has destroyed, as torch.distributed's
+        own collectives do (released or not yet: Note [a released communicator lets go of its group])."""
+        if self.released or not released_group.is_alive(self._group_obj):
+            raise released_group.refused_error(op, tag, self.rank, self.world_size, self._on_default_group)
 
     def _ended_under_collective(self) -> str:
-        # A group destroyed from another thread while a collective waits (a signal handler, a watchdog
-        # that tears the job down): its wait ends at the timeout or on a closed connection, which alone
-        # would read as a peer that never joined.
-        if _is_alive(self._group_obj):
-            return ""
-        what = "default process group" if self.group is None else "process group"
-        return (f"the {what} was destroyed (torch.distributed.destroy_process_group()) while this collective was "
-                "in flight, so it could not complete; destroy a group only once its collectives have finished")
+        if self.released or not released_group.is_alive(self._group_obj):
+            return released_group.ended_under_collective(self._on_default_group)
+        return ""
 
     @property
     def device(self) -> torch.device:
@@ -561,16 +567,3 @@ def close_connections(group, rank: int, world_size: int, before_closing=None) ->
         except Exception:  # noqa: BLE001 - the timeout that closes the connections
             pass
     return closed
-
-
-def _is_alive(group) -> bool:
-    """Whether torch.distributed still has ``group`` (a group object, not None), i.e. it was
-    not destroyed."""
-    world = getattr(dist.distributed_c10d, "_world", None)
-    pg_map = getattr(world, "pg_map", None)
-    if not dist.is_initialized():
-        return False
-    if pg_map is None:  # internals moved: the coarser public question only
-        return True
-    return group in pg_map
-

@@ -1,0 +1,86 @@
+"""A communicator whose process group torch.distributed destroyed: what it lets go of, and what it says after.
+
+Note [a released communicator lets go of its group]
+    ``release()`` runs when torch destroys the communicator's group (Note [releasing destroyed groups] in
+    __init__.py). Before, a released TorchCommunicator still held the group (its ``group``, the group object
+    it asks "destroyed?" of, its gloo exchange's ``group``): a program that kept the communicator -- or an
+    object holding it, such as a monitor, at module scope -- kept the destroyed gloo group alive into the
+    interpreter's finalization, where freeing a gloo group joins worker threads that need the GIL, and the
+    process can abort after the program finished ("terminate called without an active exception"). So the
+    release drops every reference to the group, once its helper threads stopped, and keeps what the
+    communicator still answers with: its rank, world size and whether it served the default group, for its
+    messages, and a released flag, which every launch reads first -- a collective on it is refused naming the
+    op, as before ("the process group ... was destroyed"), and never reaches a group it no longer has (an
+    absent group would otherwise read as the default one). One thing still needs the group: a collective in
+    flight across the destroy. Freed under it, the group's destructor waits for it -- until the group's own
+    timeout, 30 minutes by default (torch's own ``destroy_process_group`` blocks that long) -- so the
+    collective's handle keeps the group until its wait ends (``CommHandle._group``): the destroy returns at
+    once, the wait fails at fusedist's deadline naming the destroy, the abandoned collective's connections
+    close (Note [closing the connections of an abandoned collective] in torch_comm.py: the released
+    communicator reaches the group by a weak reference, for that alone; one nobody holds any more closed its
+    connections as it went) and the group goes with the handle's hold. (Never ``None`` for the default
+    group: after a new ``init_process_group()``, that is another group.)
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch.distributed as dist
+
+from .checks import _tag
+
+
+def is_alive(group) -> bool:
+    """Whether torch.distributed still has ``group`` (a group object, not None), i.e. it was not destroyed."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    if not dist.is_initialized():
+        return False
+    if pg_map is None:  # internals moved: the coarser public question only
+        return True
+    return group in pg_map
+
+
+def let_go(comm) -> None:
+    """Drop ``comm``'s references to its process group and its exchange's (Note [a released communicator lets
+    go of its group]); its helper threads have stopped."""
+    if not comm.released:
+        try:
+            comm._released_group = weakref.ref(comm._group_obj)
+        except TypeError:  # (not a process group object: nothing to close later)
+            comm._released_group = None
+    comm.released = True
+    comm.group = comm._group_obj = None
+    if comm.exchange is not None:
+        comm.exchange.group = None  # (its finished works hold none: Note [work references] in exchange_progress.py)
+
+
+def held_elsewhere(comm) -> Optional[object]:
+    """The released ``comm``'s process group where something else still holds it (an in-flight collective's work),
+    else None."""
+    ref = getattr(comm, "_released_group", None)
+    return ref() if ref is not None else None
+
+
+def _which(on_default_group: bool) -> str:
+    return "default process group" if on_default_group else "process group"
+
+
+def refused_error(op: str, tag: str, rank: int, world_size: int, on_default_group: bool) -> RuntimeError:
+    """The error refusing ``op`` on a communicator whose group was destroyed (as torch's own collectives refuse
+    one): run there, it would pair with whatever a peer still holding the group issues."""
+    return RuntimeError(
+        f"fusedist {op}{_tag(tag)} on rank {rank} of {world_size}: not launched, the {_which(on_default_group)} "
+        "of this communicator was destroyed (torch.distributed.destroy_process_group()); get a communicator for "
+        "a live group (fusedist.comm.get_communicator) and rebuild what holds the old one (DDP, ZeRO)")
+
+
+def ended_under_collective(on_default_group: bool) -> str:
+    """Why a collective in flight could not complete when its group was destroyed under it (from another thread:
+    a signal handler, a watchdog that tears the job down); alone, its wait's end would read as a peer that never
+    joined."""
+    return (f"the {_which(on_default_group)} was destroyed (torch.distributed.destroy_process_group()) while this "
+            "collective was in flight, so it could not complete; destroy a group only once its collectives have "
+            "finished")

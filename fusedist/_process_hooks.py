@@ -63,23 +63,49 @@ def install_optimizer_step_hooks(key: str, pre: Callable, post: Callable) -> Non
 
 
 def install_parameter_registration_hook(key: str, hook: Callable) -> None:
-    """torch's global ``hook(module, name, param)`` on every Parameter registration, once per ``key``."""
+    """torch's global ``hook(module, name, param)`` on every Parameter registration, once per ``key``
+    (run as plain Python outside traces: Note [registration hooks called outside a trace])."""
     with _lock:
         if key in _removers:
             return
         from torch.nn.modules.module import register_module_parameter_registration_hook
 
-        _removers[key] = register_module_parameter_registration_hook(hook).remove
+        _removers[key] = register_module_parameter_registration_hook(_outside_traces(hook)).remove
 
 
 def install_module_registration_hook(key: str, hook: Callable) -> None:
-    """torch's global ``hook(module, name, submodule)`` on every submodule registration, once per ``key``."""
+    """torch's global ``hook(module, name, submodule)`` on every submodule registration, once per ``key``
+    (run as plain Python outside traces: Note [registration hooks called outside a trace])."""
     with _lock:
         if key in _removers:
             return
         from torch.nn.modules.module import register_module_module_registration_hook
 
-        _removers[key] = register_module_module_registration_hook(hook).remove
+        _removers[key] = register_module_module_registration_hook(_outside_traces(hook)).remove
+
+
+# Note [registration hooks called outside a trace]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Called while dynamo's frame hook is active but outside any trace, dynamo compiled each global
+# registration hook as a frame of its own. Compiled autograd does exactly that inside a
+# ``torch.compile``d training step under ``torch._dynamo.config.compiled_autograd``: it compiles the
+# captured backward with ``torch.compile``, whose ``OptimizedModule`` registers its child
+# ``_orig_mod`` while half built, and dynamo, building the hook's arguments, failed on it
+# ("InternalTorchDynamoError: KeyError: _orig_mod"). Once any fusedist wrapper had installed the
+# hooks, every such backward in the process failed so, torch's DDP and FSDP2 included. So such a
+# call runs the hook (and what it calls) as plain Python, as without dynamo; where dynamo traces a
+# registration (inside a compiled function) it still inlines the hook (Note [registrations while
+# dynamo traces] in fusedist/ddp/trainable.py).
+def _outside_traces(hook: Callable) -> Callable:
+    """``hook`` (returned), run without dynamo when called outside a trace (Note [registration hooks
+    called outside a trace]); any torch without dynamo's frame strategies leaves it as it is."""
+    try:  # (private API)
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+        set_code_exec_strategy(hook.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    except Exception:  # noqa: BLE001
+        pass
+    return hook
 
 
 def chain_excepthook(key: str, before: Callable[[type, BaseException, object], None]) -> None:

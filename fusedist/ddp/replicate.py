@@ -55,7 +55,6 @@ import weakref
 
 from . import join as _join
 from .._process_hooks import install_module_registration_hook, install_parameter_registration_hook
-from .compiled_autograd_hooks import run_as_python_outside_traces
 from ..ownership import register_step_watch, release
 from ..reliability import checks_enabled, optimizer_guard
 from .prepared import arm_again_through
@@ -419,9 +418,9 @@ def replicate(module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]] 
         optimizer_guard.install()  # Note [a step before the first forward]
         # Note [assigned before the first forward]
         install_parameter_registration_hook("replicate parameters assigned before the first forward",
-                                            run_as_python_outside_traces(_parameter_assigned))
+                                            _parameter_assigned)
         install_module_registration_hook("replicate submodules assigned before the first forward",
-                                         run_as_python_outside_traces(_submodule_assigned))
+                                         _submodule_assigned)
     module.register_forward_pre_hook(_before_forward, with_kwargs=True)
     module.register_forward_hook(_after_forward, with_kwargs=True)
     module.__class__ = _replicated_class(type(module))

@@ -57,7 +57,6 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from .. import ownership
 from .._process_hooks import install_module_registration_hook
-from .compiled_autograd_hooks import run_as_python_outside_traces
 from .succession import followers_of, same_ranks, stage2_consumer
 
 __all__ = ["listen", "quiet_torch_wrappers_inside", "retire_with"]
@@ -69,7 +68,7 @@ _retirements: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def listen() -> None:
     """Have torch's DDP constructions over a fusedist wrapper's module noted (once per process)."""
     install_module_registration_hook("ddp wrapped again by torch's DistributedDataParallel",
-                                     run_as_python_outside_traces(_registered))
+                                     _registered)
 
 
 class _Retirement:

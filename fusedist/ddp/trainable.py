@@ -95,7 +95,6 @@ import zlib
 import torch
 
 from .._process_hooks import install_module_registration_hook, install_parameter_registration_hook
-from .compiled_autograd_hooks import run_as_python_outside_traces
 from . import compiled_assignments
 from .memory_format import check_memory_format
 from .module_tree import ModuleTree, rename_followed
@@ -327,9 +326,9 @@ def follow_assignments(module, tracker: TrainableTracker) -> None:
     """Have Parameter assignments and submodules added into ``module`` or its submodules noted
     by ``tracker``."""
     install_parameter_registration_hook("ddp parameters assigned after wrapping",
-                                        run_as_python_outside_traces(_parameter_registered))
+                                        _parameter_registered)
     install_module_registration_hook("ddp submodules added after wrapping",
-                                     run_as_python_outside_traces(_module_registered))
+                                     _module_registered)
     _follow_tree(module, weakref.ref(tracker), "")
 
 

@@ -65,7 +65,6 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._process_hooks import install_module_registration_hook
-from ..ddp.compiled_autograd_hooks import run_as_python_outside_traces
 from ..ddp.module_tree import ModuleTree
 from .replaced_modules import WRITES, Places, Spine, WatchedDicts, check_replaced, watch_parents
 
@@ -90,7 +89,7 @@ class _Fingerprint:
     __slots__ = ("registrations", "dicts", "lengths")
 
     def __init__(self, trees: list):
-        install_module_registration_hook("fully_shard module trees", run_as_python_outside_traces(_registered))
+        install_module_registration_hook("fully_shard module trees", _registered)
         self.registrations = _REGISTRATIONS[0] + WRITES[0]
         self.dicts = [d for tree in trees for d in map(_CHILDREN, tree.modules())]
         self.lengths = list(map(len, self.dicts))

@@ -228,7 +228,8 @@ class IOBarrier:
                 if self.store.check([outcome]):  # another rank gave up on this barrier
                     break
                 # Note [an abort told to waits in the store] in fusedist/comm/aborted_groups.py
-                aborted = aborted_groups.aborted_peers(self.store, [r for r in self.ranks if r != self.ranks[self.rank]])
+                peers = [r for r in self.ranks if r != self.ranks[self.rank]]
+                aborted = aborted_groups.aborted_peers(self.store, peers)
                 if aborted:
                     self._decide(outcome, _GIVEN_UP + f"{self.who}: rank {self.ranks[self.rank]}: waiting for the "
                                  f"other ranks to be done with {what}, {'; '.join(aborted.values())}: it will not "

@@ -61,6 +61,10 @@ tests/test_gpu_pending_pipeline_ws2.py.
 * **``model.apply(init_fn)`` on a fully_shard model** (Note [apply on a sharded model] in
   fusedist/fsdp/module_apply.py): from the same CUDA RNG state, the unsharded model's init bit for bit, the
   RNG left where that init left it; FSDP2's result printed for the record.
+* **ZeRO stage 1 without a DDP model** (Note [gradients nobody averaged] in fusedist/zero/grad_agreement.py):
+  the first step's gradient fingerprints computed on the device and all-reduced over NCCL: the same batch on
+  every rank steps as torch's ZeroRedundancyOptimizer, each rank's own batch is refused on every rank with the
+  weights unmoved.
 * **NF4 ``to_local()`` on CUDA** (Note [extension pieces read as DTensors] in fusedist/fsdp/extension_names.py):
   a new torchao tensor as FSDP2's, the frozen weight left frozen (skipped, saying so, without torchao's NF4).
 * **DDP's ``device_ids`` / ``output_device`` on a CUDA module** (fusedist/ddp/arguments.py): each set
@@ -437,6 +441,38 @@ def _zero_clip_max_norms(rank, world_size, device, seed):
     return out
 
 
+def _zero_gradients_compared(rank, world_size, device, seed):
+    """ZeRO stage 1 without a DDP model on CUDA (Note [gradients nobody averaged] in fusedist/zero/grad_agreement.py):
+    the same batch on every rank, three AdamW steps against torch's ZeroRedundancyOptimizer on a copy (the
+    weights' largest difference); then each rank's own batch: what the first step raises and whether the weights
+    moved."""
+    import fusedist
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    torch.manual_seed(seed)
+    base = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(device)
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    opt = fusedist.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.AdamW, lr=0.01)
+    ref = TorchZero(theirs.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+    gen = torch.Generator().manual_seed(seed + 1)  # (the same batches on every rank)
+    for _ in range(3):
+        x, y = torch.randn(5, 6, generator=gen).to(device), torch.randn(5, 3, generator=gen).to(device)
+        for m, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    diff = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(ours.parameters(), theirs.parameters()))
+    apart = copy.deepcopy(base)
+    apart_opt = fusedist.ZeroRedundancyOptimizer(apart.parameters(), torch.optim.AdamW, lr=0.01)
+    own = torch.Generator().manual_seed(seed + 2 + rank)  # (each rank's own batch: nobody averages)
+    x, y = torch.randn(5, 6, generator=own).to(device), torch.randn(5, 3, generator=own).to(device)
+    nn.functional.mse_loss(apart(x), y).backward()
+    before = [p.detach().clone() for p in apart.parameters()]
+    raised = _raised(apart_opt.step)
+    moved = any(not torch.equal(a, p) for a, p in zip(before, apart.parameters()))
+    return {"diff": diff, "raised": raised, "moved": moved}
+
+
 def _apply_init(rank, world_size, device, seed):
     """``model.apply(init_fn)`` drawing from the device's RNG: the unsharded model's, fusedist's fully_shard
     model's and torch FSDP2's from the same RNG state. Whether ours equals the unsharded init (every entry,
@@ -536,7 +572,7 @@ SECTIONS = {"torch_scaler_under_ddp": _torch_scaler_under_ddp,  # (first: it see
             "zero_offload_complex": _zero_offload_complex, "full_tensor": _full_tensor,
             "zero_verdict_on_device": _zero_verdict_on_device, "foreach_pieces": _foreach_pieces,
             "zero_clip_max_norms": _zero_clip_max_norms, "apply_init": _apply_init, "nf4_to_local": _nf4_to_local,
-            "ddp_device_arguments": _ddp_device_arguments}
+            "ddp_device_arguments": _ddp_device_arguments, "zero_gradients_compared": _zero_gradients_compared}
 
 
 def _sections(rank, world_size, seed):
@@ -626,6 +662,18 @@ def test_zero_clip_to_a_float_or_a_device_tensor_adds_no_sync_and_clips_as_torch
         for stage in (1, 2):
             tensor, plain = out[stage, "tensor"]["syncs"], out[stage, "float"]["syncs"]
             assert all(a <= b for a, b in zip(tensor, plain)), (seed, rank, stage, tensor, plain)
+
+
+def test_zero_without_ddp_steps_averaged_gradients_as_torch_and_refuses_others_on_cuda(launched):
+    """Note [gradients nobody averaged] (fusedist/zero/grad_agreement.py) on CUDA: the fingerprints are computed on
+    the device and all-reduced over NCCL; the same gradients on every rank step as torch's ZeroRedundancyOptimizer
+    (fp32 AdamW, three steps: 1e-5), each rank's own are refused on every rank before anything is stepped."""
+    seed, per_rank = _section(launched, "zero_gradients_compared")
+    for rank, out in enumerate(per_rank):
+        where = f"seed {seed}, rank {rank}: {out}"
+        assert out["diff"] < 1e-5, where
+        assert out["raised"] is not None and "gradients differ across ranks at parameter" in out["raised"], where
+        assert not out["moved"], where
 
 
 def test_apply_on_a_fully_shard_model_initializes_as_the_unsharded_model_from_the_device_rng(launched):

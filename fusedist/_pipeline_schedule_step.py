@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from ._pipeline_step_status import (
     exchange, put_back, several_armed, wait_bounded, zero_activations, zero_gradients)
+from ._pipeline_step_verdict import divergence_at_step_end, told_message
 
 
 def wrap_step(schedule) -> None:
@@ -101,11 +102,16 @@ def _run(schedule, original, args, kwargs):
             put_back(stage)
         wait_bounded(stages[0], works)
         raise RuntimeError(told or message) from (e.__cause__ or e)
-    told = exchange(stages[0], None)
+    # Note [the step check's verdict read at the step's end] (_pipeline_step_verdict.py): every stage's, in order
+    found = [(stage, e) for stage in stages if (e := divergence_at_step_end(stage)) is not None]
+    mine = told_message(*found[0]) if found else None
+    told = exchange(stages[0], mine)
     if told is not None:
         for stage in stages:
             put_back(stage)
-        raise RuntimeError(told)
+        if mine is not None and mine.startswith(told):  # (this rank's, as told)
+            raise found[0][1]
+        raise RuntimeError(told) from (found[0][1] if found else None)
     for stage in stages:
         stage._step_told_ended()
     return result

@@ -21,7 +21,9 @@ Note [a failure told at the step's end]
       pipeline takes part in one all-reduce of one integer: which failing rank's message to tell, or none
       (Note [the failure told, of several]). Only after a failure, that rank broadcasts its message: every
       rank raises the same ``RuntimeError`` naming the stage, its rank, the micro-batch (and whether its
-      loss or backward) and the exception; the failing rank's chains its own exception.
+      loss or backward) and the exception; the failing rank's chains its own exception. A DDP stage's
+      data-parallel peers found diverged by the step check right before the exchange are told the same way
+      (Note [the step check's verdict read at the step's end] in _pipeline_step_verdict.py).
     No rank's step ends: each counts as one that raised (Note [a step that raised] in
     _pipeline_step_failures.py), so no optimizer step follows on any rank, and each rank's next step is
     refused. Every stage module's buffers are put back as the step found them on every rank (a BatchNorm's
@@ -237,12 +239,13 @@ def wait_bounded(stage, works: list) -> None:
         stage._status_works = works  # (kept alive with their tensors)
 
 
-def step_end_failure(stage):
-    """At the step's end: the failure another rank told of, or None (and None where not armed, or where
-    the rank's schedule step exchanges: several stages per rank)."""
+def step_end_failure(stage, message=None):
+    """At the step's end: the failure a rank told of (``message``: this rank's, Note [the step check's verdict
+    read at the step's end] in _pipeline_step_verdict.py), or None (and None where not armed, or where the
+    rank's schedule step exchanges: several stages per rank)."""
     if getattr(stage, "_status_told", False) or not single_armed(stage):
         return None
-    failure = exchange(stage, None)
+    failure = exchange(stage, message)
     if failure is not None:
         put_back(stage)
     return failure

@@ -101,6 +101,10 @@ Note [a step that raised]
 
 Note [several devices in one stage]
     In _pipeline_set_aside.py.
+
+Note [the step check's verdict read at the step's end]
+    In _pipeline_step_verdict.py: a DDP stage's data-parallel peers that diverged in a step are named at the
+    step's end, on every rank, before any optimizer step (where the last bucket carried the check).
 """
 
 from __future__ import annotations
@@ -125,7 +129,8 @@ from ._pipeline_schedule_step import wrap_step
 from ._pipeline_set_aside import _divided, _give_back, _holders_outside_grad, _SetAside
 from ._pipeline_step_status import (
     backward_failure_told, began, micro_batches, publish_first_step_failure, put_back_buffers, several_armed,
-    status_armed, step_end_failure, told_at_step_end)
+    single_armed, status_armed, step_end_failure, told_at_step_end)
+from ._pipeline_step_verdict import divergence_at_step_end, told_message
 from ._pipeline_sync_switch import _sync_switch, _torch_data_parallel, _user_sync
 from ._pipeline_told_peers import step_began, wait_until_told
 from ._pipeline_vote import backward_result, forward_vote
@@ -361,9 +366,17 @@ class PipelineStage(_TorchPipelineStage):
                 self._reduce_held = grad_scale_factor
                 return
             return super().perform_reduce_grad(grad_scale_factor)
-        failure = step_end_failure(self)  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+        # Note [the step check's verdict read at the step's end] (_pipeline_step_verdict.py)
+        diverged = divergence_at_step_end(self) if self.group_size == 1 or single_armed(self) else None
+        if diverged is not None and self.group_size == 1:
+            raise diverged
+        # Note [a failure told at the step's end] (_pipeline_step_status.py)
+        mine = None if diverged is None else told_message(self, diverged)
+        failure = step_end_failure(self, mine)
+        if mine is not None and failure is not None and mine.startswith(failure):  # (this rank's, as told)
+            raise diverged
         if failure is not None:
-            raise RuntimeError(failure)
+            raise RuntimeError(failure) from diverged
         if getattr(self, "_step", None) is not None:  # the step's messages are all exchanged
             self._step.end()
         super().perform_reduce_grad(grad_scale_factor)

@@ -10,6 +10,9 @@
 * ``GradScaler(found_inf_group=...)``: an inf in one stage's gradients skips every stage's step
   and backs the scale off on every rank, as torch's scaler over the whole model does (Note
   [found_inf over the pipeline stages] in fusedist/amp/grad_scaler.py).
+* DDP stages whose data-parallel peers diverged in a step (one ran an extra forward) raise at that
+  step's end on every rank, before any optimizer step (Note [the step check's verdict read at the
+  step's end] in fusedist/_pipeline_step_verdict.py): 1F1B, interleaved 1F1B and one-rank pipelines.
 
 The clip runs after a 1F1B step of ``fusedist.pipelining.PipelineStage`` stages (the reference:
 the whole model on the global batch); the scaler's stages run their own losses (what a schedule
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 
 import pytest
 import torch
@@ -221,6 +225,71 @@ def test_scaler_found_inf_group_skips_every_stage(kind, launched2):
             assert weights < 1e-6, (seed, kind, lazy, rank, weights)
 
 
+def _diverged_peers_worker(rank, world_size, seed, layout):
+    """DDP stages under ``layout`` -- 1F1B over a 2 (pp) x 2 (dp) mesh, interleaved 1F1B (two stages a rank)
+    over it, or 1F1B on one-rank pipelines over a 1 x 4 mesh -- SGD stepped after each step; rank 1 runs one
+    extra training forward of its (first) stage module before the first step. (the step that raised, the
+    exception's type and text, the largest change of the rank's weights)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+
+    from fusedist.pipelining import PipelineStage
+
+    pp = 1 if layout == "one-rank pipelines" else STAGES
+    mesh = init_device_mesh("cpu", (pp, world_size // pp), mesh_dim_names=("pp", "dp"))
+    local = [rank // mesh["dp"].size()] if layout != "interleaved" else [rank // mesh["dp"].size(), 2 + rank // 2]
+    stages = len(local) * pp
+    built = [_stage("ddp", seed + index, mesh) for index in local]
+    pipelines = [PipelineStage(run, index, stages, torch.device("cpu"), group=mesh["pp"].get_group())
+                 for index, (run, _, _) in zip(local, built)]
+    schedule = (ScheduleInterleaved1F1B(pipelines, n_microbatches=2, loss_fn=lambda o, t: (o - t).square().mean())
+                if layout == "interleaved" else
+                Schedule1F1B(pipelines[0], n_microbatches=2, loss_fn=lambda o, t: (o - t).square().mean()))
+    before = [p.detach().clone() for _, model, _ in built for p in model.parameters()]
+    first, last = 0 in local, stages - 1 in local
+    g = torch.Generator().manual_seed(seed + rank)
+    raised = None
+    for step in range(2):
+        x, y = torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g)
+        if rank == 1 and step == 0:
+            built[0][0](x)  # (a loss computed and dropped: the peers' forward counts now differ)
+        try:
+            schedule.step(*([x] if first else []), **({"target": y} if last else {}))
+        except RuntimeError as e:
+            raised = (step, type(e).__name__, str(e))
+            break
+        for _, _, opt in built:
+            opt.step()
+            opt.zero_grad()
+    after = [p.detach() for _, model, _ in built for p in model.parameters()]
+    moved = max(float((p - q).abs().max()) for p, q in zip(after, before))
+    del built, pipelines, schedule
+    gc.collect()
+    return raised, moved
+
+
+DIVERGED_LAYOUTS = ("1F1B", "interleaved", "one-rank pipelines")
+
+
+@pytest.mark.parametrize("layout", DIVERGED_LAYOUTS)
+def test_peers_that_diverged_in_a_step_raise_at_its_end_before_the_optimizer_step(layout, launched4):
+    """A stage's data-parallel peers at different points (one ran an extra forward) are named at the step's
+    end, on every rank of every pipeline, and no optimizer step applies; before, the step ended, every rank
+    stepped its optimizer on gradients averaged across different points, and the next step's first forward
+    raised."""
+    for rank, (raised, moved) in enumerate(results_of(launched4, f"diverged peers {layout}")):
+        assert raised is not None, (layout, rank, moved)
+        step, kind, message = raised
+        assert step == 0 and moved == 0.0, (layout, rank, step, moved, message)
+        counts = re.search(r"forward: ranks \[0(?:, 2, 3)?\]: (\d+); ranks \[1\]: (\d+)", message)
+        assert "ranks diverged" in message and counts and int(counts[2]) == int(counts[1]) + 1, (layout, rank, message)
+        assert "before any optimizer step" in message, (layout, rank, message)
+        if layout == "one-rank pipelines" or rank // 2 == 0:  # a rank of stage 0: the check's own error
+            assert kind == "RankMismatchError", (layout, rank, kind, message)
+        else:  # the other stages' ranks: told by their pipeline's exchange
+            assert kind == "RuntimeError" and "replicas of stage 0 diverged" in message, (layout, rank, kind, message)
+
+
 # One launch per world size for the selected tests' cases, each on a fresh random seed; every
 # case builds its own meshes, stages and optimizers, and frees them before the next.
 @pytest.fixture(scope="module")
@@ -231,6 +300,8 @@ def launched4(request):
             "titan clip": (_titan_clip_worker, (seed, TITAN_KINDS, TITAN_NORM_TYPES))},
         "test_torchtitans_clip_a_zero2_stage_cannot_measure_is_refused": {
             f"titan refused {case}": (_titan_refused_worker, (5, case)) for case, _ in REFUSED},
+        "test_peers_that_diverged_in_a_step_raise_at_its_end_before_the_optimizer_step": {
+            f"diverged peers {layout}": (_diverged_peers_worker, (seed, layout)) for layout in DIVERGED_LAYOUTS},
     }, 4, timeout=300)}
 
 

@@ -54,7 +54,9 @@ Note [step check]
     reads the pending verdict and checks the counters once more, at once (and
     ``fusedist.checkpoint.save`` calls it, so a diverged run is not saved). Every rank reads
     the verdict at the same point of its program, so on a mismatch the extra all-gather
-    pairs up.
+    pairs up. (A pipeline stage reads a verdict the last bucket carried at its step's end
+    instead, before any optimizer step: Note [the step check's verdict read at the step's end]
+    in fusedist/_pipeline_step_verdict.py.)
 
     A rank that joined (ran out of inputs under ``model.join()``, Note [joined ranks] in
     fusedist/ddp/join.py) takes part with ``JOINED`` in every slot, which is below any ``v``
@@ -233,6 +235,19 @@ class StepCheck:
         else:
             reduced = self.buf.tolist()
         self._verdict(reduced, values, detail)
+
+    def settle_carried(self, reported_at: str) -> bool:
+        """:meth:`settle` now where the last bucket carried the pending verdict (the backward already waited
+        for that bucket, so nothing more is waited for or exchanged unless the ranks disagreed); a verdict of
+        the check's own all-reduce is left for the next forward. ``reported_at``: where an error says it was
+        found. Whether a verdict was read (Note [the step check's verdict read at the step's end] in
+        fusedist/_pipeline_step_verdict.py)."""
+        if self._pending is None or self._tail is None:
+            return False
+        handle, host, event, values, detail = self._pending
+        self._pending = (handle, host, event, values, lambda: dict(detail(), reported_at=reported_at))
+        self.settle()
+        return True
 
     def unread_divergence(self) -> Optional[str]:
         """Note [verdicts unread at exit]: the message of a pending verdict that says the ranks

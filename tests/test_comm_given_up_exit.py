@@ -23,7 +23,8 @@ from script_runs import EXIT_MARKERS, run_at_once, run_ended_at_once
 #   caught: the same; rank 1 catches the error, checks the group refuses collectives, computes on
 #           and ends by ``raise SystemExit(0)`` (rank 0 leaves the error uncaught); ``sys.exit(n)``
 #           instead ends at once (tests/test_given_up_exit_status.py)
-#   clean:  every rank runs its backward; the check passes and the program ends normally
+#   clean:  every rank runs its backward; the check passes and the program destroys the default group (the
+#           model at module scope) and ends normally
 _RANK = EXIT_MARKERS + r'''
 import datetime
 
@@ -33,6 +34,7 @@ from torch import nn
 
 rank, init, scenario = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)
+import torch.distributed.nn  # (before the group: Note [binding torch.distributed.nn early] in fusedist/distributed.py)
 dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=60))
 import fusedist
@@ -63,7 +65,14 @@ except Exception as exc:
         raise SystemExit(0)  # (not sys.exit: nothing notes its status, the interpreter ends it)
     raise
 print("NO ERROR", flush=True)
+import gc, weakref
+world = weakref.ref(dist.group.WORLD)
+held = model.process_group is world()
+gc.disable()  # (freed by the destroy itself, not by a collection)
 dist.destroy_process_group()
+print(f"DEFAULT GROUP: the model's {held}, freed at the destroy {world() is None}, "
+      f"the model's now {model.process_group}", flush=True)
+gc.enable()
 '''
 
 _ENV = {"FUSEDIST_TIMEOUT_S": "60", "FUSEDIST_DIVERGENCE_PROBE_S": "0.3", "FUSEDIST_STALL_REPORT_S": "0.5"}
@@ -135,6 +144,9 @@ def test_a_clean_run_exits_through_the_interpreters_shutdown(runs):
         # (the model at module scope holds its communicator into the interpreter's shutdown: nothing of the
         # destroyed group may abort it there -- Note [a released communicator that outlives the exit hooks])
         assert "terminate called" not in text and "Aborted" not in text, (rank, text)
+        # nor does the model hold the group itself (Note [the process group, held weakly] in
+        # fusedist/ddp/torch_surface.py): freed at the destroy, as when no model outlives it
+        assert "DEFAULT GROUP: the model's True, freed at the destroy True, the model's now None" in text, (rank, text)
 
 
 # One process with a communicator that gave up (a stand-in in the cache, as the probe leaves a real

@@ -4,7 +4,8 @@ buffers synced at construction and at forwards (``forward_sync_buffers``, the de
 ``broadcast_buffers``, ``init_sync``), per-bucket caps (``bucket_cap_mb_list``) -- compared
 with torch DDP on 2 gloo ranks; so are the attributes and private methods torch's DDP gives
 scripts (its settings in bytes, ``require_forward_param_sync``, ``_register_fused_optim``,
-``_get_data_parallel_params``, a hook's annotations checked, ``_update_process_group`` refused).
+``_get_data_parallel_params``, a hook's annotations checked, ``_update_process_group`` refused,
+``process_group`` the same object, let go of once destroyed).
 The CPU tests' two-rank scenarios share one launch of the ranks
 (``launched``): starting ranks costs more than most scenarios.
 """
@@ -682,6 +683,62 @@ def test_data_parallel_params_as_torchs_and_a_process_group_update_refused_namin
         assert "DistributedDataParallel(model.module, process_group=new_group)" in res["fusedist"]["update"]
 
 
+def _process_group_held_weakly(rank, world):
+    import gc
+    import weakref
+
+    import fusedist
+
+    results = {}
+    torch.manual_seed(0)
+    ours = fusedist.DistributedDataParallel(nn.Linear(4, 2))
+    theirs = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+    results["default group"] = (ours.process_group is theirs.process_group, ours.process_group is dist.group.WORLD)
+    group = dist.new_group(list(range(world)))
+    ours = fusedist.DistributedDataParallel(nn.Linear(4, 2), process_group=group)
+    theirs = nn.parallel.DistributedDataParallel(nn.Linear(4, 2), process_group=group)
+    results["subgroup"] = (ours.process_group is theirs.process_group, ours.process_group is group)
+    replicated = fusedist.replicate(nn.Linear(4, 2), process_group=group)
+    for model in (ours, replicated):
+        model(torch.ones(3, 4)).sum().backward()
+        model.check_consistency()  # (its step check waited for: an unwaited collective holds its group until it is)
+    held = weakref.ref(group)
+    del theirs, group  # (torch's DDP holds its group past the destroy)
+    gc.collect()
+    gc.disable()  # freed by the destroy itself, not by a later collection
+    try:
+        dist.destroy_process_group(held())
+        results["freed at the destroy"] = held() is None
+    finally:
+        gc.enable()
+    results["after the destroy"] = (repr(ours.process_group), repr(ours.join_process_group))
+    kept = dist.new_group(list(range(world)))  # (destroyed, but still held by the program)
+    on_kept = fusedist.DistributedDataParallel(nn.Linear(4, 2), process_group=kept)
+    dist.destroy_process_group(kept)
+    results["destroyed, held elsewhere"] = repr(on_kept.process_group)
+    try:
+        copy.deepcopy(ours)
+        results["copy"] = "copied"
+    except Exception as e:  # noqa: BLE001 - the test reads which
+        results["copy"] = f"{type(e).__name__}: {e}"
+    return results
+
+
+def test_process_group_reads_as_torchs_and_the_model_lets_go_of_it_when_destroyed(launched):
+    """``model.process_group`` is the group torch's DDP holds (the default group itself when none was
+    given); a model (or a ``fusedist.replicate`` module) kept past ``destroy_process_group()`` does not keep
+    the destroyed group alive (torch's does: into the interpreter's finalization, where freeing a gloo group
+    can abort the process), and the model reads None from then on (also where the program still holds the
+    group); a copy of it is refused, naming the destroyed group."""
+    for rank, res in enumerate(results_of(launched, "process group held weakly")):
+        assert res["default group"] == res["subgroup"] == (True, True), res
+        assert res["freed at the destroy"] is True, res
+        assert res["after the destroy"] == ("None", "None"), res
+        assert res["destroyed, held elsewhere"] == "None", res
+        assert res["copy"].startswith(f"RuntimeError: fusedist.DistributedDataParallel (rank {rank}): cannot copy "
+                                      "this model: its process group was destroyed"), res
+
+
 def _halving_hook(state, bucket):
     """Averages the bucket as torch's allreduce_hook does (annotations set per case below)."""
     buffer = bucket.buffer().div_(dist.get_world_size())
@@ -759,6 +816,8 @@ def launched(request):
         "test_register_fused_optim_steps_in_backward_as_torch_ddp": {"fused optim": (_fused_optim_beside_torch, ())},
         "test_data_parallel_params_as_torchs_and_a_process_group_update_refused_naming_the_way": {
             "data parallel params, group update": (_data_parallel_params_and_group_update, ())},
+        "test_process_group_reads_as_torchs_and_the_model_lets_go_of_it_when_destroyed": {
+            "process group held weakly": (_process_group_held_weakly, ())},
         "test_hook_annotations_refused_as_torch_refuses_them_and_strings_resolved": {
             "hook annotations": (_hook_annotations, ())},
         "test_an_ignore_list_that_differs_between_ranks_is_refused_on_every_rank": {

@@ -387,7 +387,12 @@ class NcclCommunicator(Communicator):
         Why ncclCommAbort and not ncclCommDestroy: destroying finalizes the communicator,
         which can wait on its peers, and a rank that closes alone (its group destroyed,
         the others elsewhere) must not block on them; once this rank's own work completed,
-        aborting frees the same resources without asking anyone."""
+        aborting frees the same resources without asking anyone.
+
+        The process group goes too, once the last error naming its ranks was made: a communicator
+        kept past the destroy (by a model at module scope) would keep the destroyed group alive into
+        the interpreter's finalization (Note [a released communicator lets go of its group] in
+        released_group.py); later collectives are refused by ``closed`` before any reaches it."""
         if self.closed:
             return
         self.closed = True
@@ -400,9 +405,12 @@ class NcclCommunicator(Communicator):
             self.watchdog.stop(join_timeout=1.0)
             self._comm.abort("closed (its process group was destroyed, or close() was called)")
             return_comm_stream(self._device, self._stream, self.torch_stream)
-        if self.watchdog.failure is not None and not self._failure_raised:
-            self._failure_raised = True
-            raise self._watchdog_error("closing the communicator")
+        try:
+            if self.watchdog.failure is not None and not self._failure_raised:
+                self._failure_raised = True
+                raise self._watchdog_error("closing the communicator")
+        finally:
+            self.group = None
 
     def __repr__(self) -> str:
         return (f"NcclCommunicator(rank={self.rank}, world_size={self.world_size}, "

@@ -149,6 +149,7 @@ class _ReplicateState:
         if init_sync:
             ddp._broadcast_state(tag="replicate initial parameters", buffers=False)
         self.ddp = ddp
+        self.kwargs = {}  # (built: a process group among them is the engine's to hold, weakly, from here on)
         _PENDING.discard(module)
         release(list(module.parameters()), [self.pending_watch])  # the engine's watches take over
         for args, hook_kwargs in self.comm_hooks:

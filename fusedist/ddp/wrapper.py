@@ -199,7 +199,8 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
             static_graph=bool(static_graph),
         )
         # torch's DDP holds the default group itself, not None: ``model.process_group`` is a
-        # group to pass on (to ZeroRedundancyOptimizer, to collectives).
+        # group to pass on (to ZeroRedundancyOptimizer, to collectives). Held weakly: Note [the
+        # process group, held weakly] in torch_surface.py.
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.dim = dim
         self.device = module_device(module)
@@ -299,6 +300,12 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
     # ------------------------------------------------------------------ copies
     def __deepcopy__(self, memo):
         """Note [copies of the wrapper] in copies.py."""
+        if self.device_mesh is None and self.process_group is None:  # Note [the process group, held weakly]
+            raise RuntimeError(
+                f"fusedist.DistributedDataParallel (rank {self.rank}): cannot copy this model: its process group "
+                "was destroyed (torch.distributed.destroy_process_group()), so the copy would have no group to "
+                "reduce over; copy model.module (or load model.state_dict() into a new model) and wrap it on a "
+                "live group")
         return copy_wrapper(self, memo)
 
     def __getstate__(self):

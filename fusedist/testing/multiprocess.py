@@ -99,6 +99,8 @@ def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn,
     global _FAULTS
     _FAULTS = open(_fault_file(init_file, rank), "w")  # (held to the end: faulthandler writes to its descriptor)
     faulthandler.enable(file=_FAULTS, all_threads=True)
+    # ... and every thread's stack on the harness's signal before it kills a hung rank (Note [a hung rank's stacks])
+    faulthandler.register(_STACKS_SIGNAL, file=_FAULTS, all_threads=True)
     # The caller's environment as it is now (Note [ranks forked from a server that imported
     # torch]). LOCAL_RANK first: ``env`` carries the rank's GPU sharing settings (LOCAL_RANK =
     # its device, NCCL_HOSTID, ...), set before this process makes its first NCCL call.
@@ -177,6 +179,33 @@ def _describe_exit(exitcode: int) -> str:
             name = f"signal {-exitcode}"
         return f"was killed by {name} (exit code {exitcode})"
     return f"exited with code {exitcode}"
+
+
+#: The signal on which a rank writes every thread's stack (Note [a hung rank's stacks]).
+_STACKS_SIGNAL = signal.SIGUSR1
+#: How long the harness gives hung ranks to write their stacks before it kills them.
+_STACKS_WAIT_S = 0.5
+
+
+def _ask_for_stacks(procs: list) -> None:
+    """Have each of ``procs`` (hung ranks, about to be killed) write every thread's stack to its fault file.
+
+    Note [a hung rank's stacks]
+        A rank still running when the run ends (past its deadline, or after another rank failed) is
+        killed, and the report said only that: where it hung -- a collective no peer joined, a lock, a
+        join -- was lost, and a hang seen once in a loaded CI run could not be told apart from a slow rank.
+        So each rank registers faulthandler for a signal, and the harness sends it to the hung ranks
+        (one wait for all) before killing them: the stacks land in the rank's fault file (Note [a crashed
+        rank's last words]) and in its failure."""
+    asked = False
+    for p in procs:
+        try:
+            os.kill(p.pid, _STACKS_SIGNAL)
+            asked = True
+        except OSError:  # (it ended meanwhile)
+            pass
+    if asked:
+        time.sleep(_STACKS_WAIT_S)
 
 
 def _fault_file(init_file: str, rank: int) -> str:
@@ -437,6 +466,8 @@ def run_distributed(
         ended = _wait_for_answers(procs, results, outcome, timeout, grace)
     finally:
         killed = set()
+        hung_alive = [p for rank, p in enumerate(procs) if rank not in outcome and p.is_alive()]
+        _ask_for_stacks(hung_alive)  # Note [a hung rank's stacks]
         for rank, p in enumerate(procs):
             if rank not in outcome and p.is_alive():  # past the deadline: nothing more will come
                 p.kill()
@@ -471,6 +502,8 @@ def run_distributed(
         failures[r] = (f"rank {r} did not finish within {timeout:.0f} s (killed)" if ended is None else
                        f"rank {r} was still running {ended[1]:.0f} s after rank {ended[0]} failed (killed: a failed "
                        f"rank ends the run, as torchrun ends a job; the group's timeout was {pg_timeout:.0f} s)")
+        if words[r]:  # Note [a hung rank's stacks]
+            failures[r] += f"\nwhere its threads were when it was killed:\n{words[r]}"
     if expect_failure:
         return [("error", failures[r]) if r in failures else ("ok", outcome[r][1])
                 for r in range(world_size)]

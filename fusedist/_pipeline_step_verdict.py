@@ -27,11 +27,9 @@ from ._consistency import RankMismatchError
 
 def carried_check_of(module):
     """The step check of a fusedist DDP stage module (or a ``fusedist.replicate`` one), None for any other."""
-    from .ddp import DistributedDataParallel
-    from .ddp.replicate import wrapper_of
+    from ._pipeline_sync_switch import ddp_engine_of
 
-    owner = module if isinstance(module, DistributedDataParallel) else wrapper_of(module)
-    carrier = getattr(getattr(owner, "reducer", None), "check_carrier", None)
+    carrier = getattr(getattr(ddp_engine_of(module), "reducer", None), "check_carrier", None)
     return getattr(carrier, "step_check", None)
 
 

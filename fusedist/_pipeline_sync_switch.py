@@ -42,18 +42,23 @@ def _sync_switch(module):
     """How to make the next backward of a stage module synchronize its gradients or only
     accumulate them: a context manager taking ``last``, or None for a module fusedist does not
     reduce (Note [pipeline stages of fully_shard modules])."""
-    from .ddp import DistributedDataParallel
-    from .ddp.replicate import wrapper_of
     from .fsdp import FullyShardedModule
 
     if isinstance(module, FullyShardedModule):
         return lambda last: _micro_batch(module, last)
-    if isinstance(module, DistributedDataParallel):  # the user's no_sync() still holds
-        return lambda last: _ddp_backward(module, last and _user_sync(module))
-    engine = wrapper_of(module)  # a fusedist.replicate module's (built at its first forward)
+    engine = ddp_engine_of(module)
     if engine is None:
         return None
-    return lambda last: _ddp_backward(engine, last and _user_sync(module))
+    return lambda last: _ddp_backward(engine, last and _user_sync(module))  # (the user's no_sync() still holds)
+
+
+def ddp_engine_of(module):
+    """The fusedist DDP engine of a stage module: the module itself (a DistributedDataParallel), a
+    ``fusedist.replicate`` module's (built at its first forward), or None."""
+    from .ddp import DistributedDataParallel
+    from .ddp.replicate import wrapper_of
+
+    return module if isinstance(module, DistributedDataParallel) else wrapper_of(module)
 
 
 def _user_sync(module) -> Optional[bool]:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from ._rank import this_rank
 from .reliability import stall_report
 
 #: How long past the probe's delay a group the stage's gradients are not reduced over is waited for (the probe
@@ -130,12 +131,11 @@ def wait_until_told(stage, monitors: list) -> Optional[str]:
 def reduction_comms(module) -> list:
     """The communicators a stage module's gradients are reduced over: its fusedist DDP (or replicate) engine's,
     its ``fully_shard`` units' (shard and replicate groups)."""
-    from .ddp import DistributedDataParallel
-    from .ddp.replicate import wrapper_of
+    from ._pipeline_sync_switch import ddp_engine_of
     from .fsdp import FullyShardedModule
     from .fsdp.state import state_of
 
-    engine = module if isinstance(module, DistributedDataParallel) else wrapper_of(module)
+    engine = ddp_engine_of(module)
     comms = [engine.comm] if engine is not None else []
     for sub in module.modules():
         unit = getattr(state_of(sub), "unit", None) if isinstance(sub, FullyShardedModule) else None
@@ -173,18 +173,12 @@ def _not_told(stage, monitor, untold: list, waited: float) -> str:
     except Exception:  # noqa: BLE001 - positions in the group, then
         named = None
     peers = [named[r] if named else r for r in untold]
-    return (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (global rank {_global_rank()}): step "
+    return (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (global rank {this_rank()}): step "
             f"#{step} refused: its data-parallel peers (global ranks {peers} of group {monitor.group_name!r}) neither "
             f"learned of this rank's failure in step #{step - 1} nor failed in that step within {waited:.0f} s (the "
             "collective timeout, FUSEDIST_TIMEOUT_S): they reached no collective of the group, and this step's "
             f"reductions would pair with theirs of step #{step - 1}, averaging the gradients of different steps. Fix "
             f"what raised in step #{step - 1} and restart every rank from the last checkpoint")
-
-
-def _global_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _untold(monitor) -> tuple:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .base import CollectiveError, CommHandle, Communicator
+from .released_group import is_alive as _is_registered  # (torch still has the group: not destroyed)
 from .torch_comm import TorchCommunicator
 from .._process_hooks import at_exit, chain_excepthook
 from . import given_up_exit, group_ends
@@ -205,15 +206,6 @@ def _weak(group):
 # exception": once in a fresh-clone run of the demo's DDP job). So the exit hook collects where
 # a released communicator's group is still alive after the release -- something still holds it --
 # and only there: a program whose groups went with their models pays nothing.
-
-
-def _is_registered(group) -> bool:
-    """Whether ``torch.distributed`` still has ``group`` (not destroyed)."""
-    world = getattr(dist.distributed_c10d, "_world", None)
-    pg_map = getattr(world, "pg_map", None)
-    if pg_map is None:  # internals moved: fall back to the public, coarser question
-        return dist.is_initialized()
-    return group is not None and group in pg_map
 
 
 # Note [draining at exit]

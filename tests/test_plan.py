@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from fusedist.plan import ModelSpec, activation_bytes, count_params, from_hf_config, model_states
-from fusedist.plan.model import param_tensors, recomputed_layer_bytes
+from fusedist.plan.model import recomputed_layer_bytes
+from fusedist.plan.param_tensors import param_tensors
 from fusedist.plan import cli, comm, suggest
 from fusedist.plan.memory import STRATEGIES
 

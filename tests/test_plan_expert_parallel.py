@@ -14,7 +14,8 @@ import pytest
 from fusedist.plan import Job, build_plan, from_hf_config, model_states, resolve_hardware
 from fusedist.plan import cli, comm
 from fusedist.plan.memory import STRATEGIES, temp_bytes
-from fusedist.plan.model import block_params, embedding_params, expert_params, param_tensors
+from fusedist.plan.model import block_params, embedding_params, expert_params
+from fusedist.plan.param_tensors import param_tensors
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_plan_configs import LLAMA3_8B, MIXTRAL_8X22B, MIXTRAL_8X7B, QWEN3_30B_A3B  # noqa: E402

@@ -9,7 +9,7 @@ from fusedist.optim import FusedAdamW
 from fusedist.plan import Job, ModelSpec, build_plan
 from fusedist.plan.hardware import PRESETS
 from fusedist.plan.memory import bucket_count, model_states, zero_pieces
-from fusedist.plan.model import param_tensors
+from fusedist.plan.param_tensors import param_tensors
 from fusedist.plan.plan import _groups
 from fusedist.plan.torch_model import Transformer
 

@@ -17,7 +17,7 @@ from fusedist.plan import ModelSpec, from_hf_config
 from fusedist.plan.cli import main
 from fusedist.plan.hardware import PRESETS
 from fusedist.plan.memory import _bucket_elements, temp_bytes
-from fusedist.plan.model import param_tensors
+from fusedist.plan.param_tensors import param_tensors
 from fusedist.plan.plan import Job, build_plan
 from fusedist.plan.torch_model import Transformer
 from fusedist.testing import run_distributed

@@ -89,12 +89,14 @@ exit status: 0 a plan with a strategy (or a dp x tp x pp layout) that fits; 1 no
 assumptions (printed with every plan): GB = 1e9 bytes and the GPU's memory is the
 datasheet's (80 GB = 80e9 bytes, below what the driver reports, which leaves room for the
 CUDA context and NCCL's buffers); --scratch-gb (1) for workspaces; model states of
-mixed-precision Adam, 16 bytes per parameter before sharding (ZeRO paper); activations per
-Korthikanti et al. 2022 with unfused attention (flash attention needs about the selective
-figure), sequence parallelism wherever tensor parallelism is suggested, under --recompute full
-the stored block inputs plus the one block backward recomputes at a time; compute 6 x the
-parameters in matrix products (not the embedding lookups) + attention FLOPs per token at
---mfu of the dense peak (a sliding-window layer charged min(seq, window) keys a query;
+mixed-precision Adam, 16 bytes per parameter before sharding (ZeRO paper; a tensor-parallel
+rank holds 1/tp of the split matrices and all of the norms, the row-split projections' biases,
+latent attention's down-projections and the routers, as Megatron-LM and torchtitan place
+them); activations per Korthikanti et al. 2022 with unfused attention (flash attention needs
+about the selective figure), sequence parallelism wherever tensor parallelism is suggested,
+under --recompute full the stored block inputs plus the one block backward recomputes at a
+time; compute 6 x the parameters in matrix products (not the embedding lookups) + attention
+FLOPs per token at --mfu of the dense peak (a sliding-window layer charged min(seq, window) keys a query;
 --precision fp32 at the TF32 tensor-core peak, which fp32 matmuls reach only with
 torch.set_float32_matmul_precision('high'): torch's default is plain fp32, several times
 slower, so give --peak-tflops for that); communication at the slowest link's peak, per GPU

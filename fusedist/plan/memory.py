@@ -194,7 +194,7 @@ def temp_bytes(strategy: str, psi: float, precision: str, unit_params, bucket_ca
     * ZeRO-2: the gradient buckets between "first gradient arrived" and "reduce-scatter
       stored" (fusedist's ``comm_stats()["peak_grad_bytes"]``): the largest three consecutive
       buckets DDP builds from ``tensors`` (every parameter tensor's elements in registration
-      order, :func:`fusedist.plan.model.param_tensors`) -- the two reduce-scatters fusedist
+      order, :func:`fusedist.plan.param_tensors.param_tensors`) -- the two reduce-scatters fusedist
       lets be in flight (``max_buckets_in_flight``, Note [buckets in flight] in
       fusedist/ddp/in_flight.py) and the bucket whose gradients are arriving, which a backward
       that outruns its collectives (a device-bound GPU; gloo on a CPU) holds at once; two are

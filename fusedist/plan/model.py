@@ -318,63 +318,6 @@ def block_params(spec: ModelSpec, i: int, ep: int = 1) -> int:
     return n - _moe_params(spec, spec.experts) + _swiglu_params(spec.hidden, spec.ffn, spec.mlp_bias)
 
 
-class Vector(int):
-    """The elements of a one-dimensional parameter (a norm's weight, a bias): the tensors the usual
-    no-weight-decay param group holds (:func:`param_tensors`)."""
-
-
-def param_tensors(spec: ModelSpec, ep: int = 1) -> list:
-    """Elements of each parameter tensor, in the order fusedist/plan/torch_model.py registers
-    them: DDP's gradient buckets take them last to first, and a bucket closes only once it
-    reaches its cap, the tensor that crosses it included (Note [buckets close as torch's do] in
-    fusedist/ddp/layout.py), so the buckets' sizes follow from this list and the cap. A mixture
-    of experts' routed experts are stacked, one gate-and-up and one down tensor a block (as
-    torch_model.py and transformers 5 hold them; ``experts / ep`` of them on a rank), not a
-    tensor per expert (transformers 4): a stacked tensor is a bucket of its own, 1.9 GB of
-    bf16 gradients a Mixtral-8x7B layer, which one expert's tensors counted as 0.23 GB. The
-    one-dimensional tensors are :class:`Vector` s."""
-    h = spec.hidden
-    # RMSNorm: weight; LayerNorm: weight and bias
-    norm = [Vector(h)] if spec.arch == "llama" else [Vector(h), Vector(h)]
-    out = [spec.vocab * h] + ([spec.seq * h] if spec.arch == "gpt" else [])
-    for i in range(spec.layers):
-        out += _block_tensors(spec, i, norm, ep)
-    out += norm + ([] if spec.tied_embeddings else [spec.vocab * h])
-    return out
-
-
-def _linear(fan_in: int, fan_out: int, bias: bool) -> list:
-    return [fan_in * fan_out] + ([Vector(fan_out)] if bias else [])
-
-
-def _block_tensors(spec: ModelSpec, i: int, norm: list, ep: int) -> list:
-    """Block ``i``'s tensors in torch_model.Block's order (norms, attention, experts, MLP)."""
-    h, f, gpt = spec.hidden, spec.ffn, spec.arch == "gpt"
-    t = (norm * (1 if spec.shared_norm else 2) + norm * 2 * spec.sandwich_norm
-         + [Vector(spec.head_size)] * 2 * spec.qk_norm)
-    if spec.kv_lora_rank is not None:  # Note [latent attention]
-        r, qr, rope = spec.kv_lora_rank, spec.q_lora_rank, spec.rope_head_dim
-        t += (_linear(h, qr, spec.qkv_bias) + [Vector(qr)] + _linear(qr, spec.q_dim, False) if qr
-              else _linear(h, spec.q_dim, False))
-        t += _linear(h, r + rope, spec.qkv_bias) + [Vector(r)]
-        t += _linear(r, spec.heads * (spec.head_size - rope + spec.v_head_dim), False)
-    else:
-        t += _linear(h, spec.q_dim + 2 * spec.kv_dim, gpt or spec.qkv_bias)
-    t += _linear(spec.o_dim, h, gpt or spec.out_bias)
-    moe = spec.is_moe_block(i)
-    if moe:
-        e, fe = spec.experts // ep, spec.expert_ffn
-        # stacked gate-and-up and down, then the router: a module's own parameters come before its children's
-        t += [e * h * 2 * fe, e * fe * h, h * spec.experts]
-        t += [h * 2 * spec.shared_ffn, spec.shared_ffn * h] if spec.shared_ffn else []
-        t += [h] if spec.shared_gate else []
-    if spec.arch != "llama":
-        t += _linear(h, f, gpt or spec.mlp_bias) + _linear(f, h, gpt or spec.mlp_bias)
-    elif not moe:
-        t += _linear(h, 2 * f, spec.mlp_bias) + _linear(f, h, spec.mlp_bias)
-    return t
-
-
 def _all_layers(spec: ModelSpec, active: bool) -> int:
     total = spec.layers * layer_params(spec, active)
     if spec.moe and spec.dense_layers:  # those blocks' MLP is a dense one of ffn
@@ -472,8 +415,9 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     embedding's dropout mask ``s·b·h``, the final norm's and output layer's inputs
     ``4·s·b·h``, fp32 logits ``4·s·b·v``. Everything divided by ``t`` under tensor parallelism
     *with* sequence parallelism (eq. 5; without it the norms' and dropouts' ``10·s·b·h``
-    would not be divided). fp32 activations: the 2-byte tensors double, the masks (and an
-    RMSNorm's fp32 rows and rstd) stay.
+    would not be divided), but for Gemma's fp32 ``1 + weight``, which each rank computes from
+    its whole replicated norm weight (:func:`tp_share`). fp32 activations: the 2-byte tensors
+    double, the masks (and an RMSNorm's fp32 rows and rstd) stay.
     Unfused attention: with flash attention the ``5·a·s²·b`` term is not stored, about the
     selective figure without recomputation. Per token, a mixture-of-experts block keeps the
     router's fp32 probabilities, the routing's indices and weights and, for each routed
@@ -490,7 +434,21 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     dense, moe = _block_bytes(spec, b, s, precision, recompute)
     layers = spec.layers * dense + (spec.moe_layers * (moe - dense) if spec.moe else 0)
     outside = input_side_bytes(spec, b, s) + output_side_bytes(spec, b, s, precision)
-    return (layers + outside) // tp + recomputed_layer_bytes(spec, b, s, precision, recompute, tp)
+    whole = spec.layers * block_whole_bytes(spec, recompute) + final_norm_weight_bytes(spec)
+    return tp_share(layers + outside, whole, tp) + recomputed_layer_bytes(spec, b, s, precision, recompute, tp)
+
+
+def tp_share(nbytes: int, whole: int, tp: int) -> int:
+    """A tensor-parallel rank's part of ``nbytes`` saved activations, of which ``whole`` every rank
+    keeps in full: the rest is split ``tp`` ways (sequence-parallel norms and dropouts, heads and MLP
+    columns), while a replicated norm weight's fp32 ``1 + weight`` is not (Note [what a norm keeps])."""
+    return (nbytes - whole) // tp + whole
+
+
+def block_whole_bytes(spec: ModelSpec, recompute: str) -> int:
+    """What one block keeps for backward that tensor parallelism does not split: Gemma's fp32
+    ``1 + weight`` of each norm (none stored under full recomputation, which keeps the block's input)."""
+    return 0 if recompute == "full" else block_norm_weight_bytes(spec)
 
 
 def block_activation_bytes(spec: ModelSpec, i: int, micro_batch: int, seq: int, precision: str,
@@ -525,7 +483,8 @@ def recomputed_layer_bytes(spec: ModelSpec, micro_batch: int, seq: int, precisio
     keeps them without recomputation (Note [the recomputed layer]); 0 otherwise."""
     if recompute != "full" or not spec.has_shape:
         return 0
-    return max(n for n in _block_bytes(spec, micro_batch, seq, precision, "none") if n is not None) // tp
+    largest = max(n for n in _block_bytes(spec, micro_batch, seq, precision, "none") if n is not None)
+    return tp_share(largest, block_whole_bytes(spec, "none"), tp)
 
 
 def _block_bytes(spec: ModelSpec, b: int, s: int, precision: str, kept: str) -> tuple:

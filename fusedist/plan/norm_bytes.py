@@ -22,8 +22,10 @@ Note [what a norm keeps]
     its other factor, the fp32 ``1 + weight`` (``weight.float()`` and the sum keep nothing):
     ``4·width`` bytes each time a norm runs, whatever the tokens, so one copy a norm for each
     micro-batch in flight, counted per block and for the final norm apart from the per-token
-    bytes. Each tensor-parallel rank keeps it whole; the planner divides it by ``t`` with the
-    rest of the block (at most ``4·(4·h + 2·head_dim)`` bytes a block a micro-batch).
+    bytes. Tensor parallelism leaves it whole: Megatron's and torch's sequence parallelism
+    (``SequenceParallel``) shard the norm's rows by sequence, the q/k norms' by head, and
+    replicate its weight, so each of the ``t`` ranks keeps ``4·width`` a norm where the rows are
+    ``1/t`` of the tokens' (:func:`fusedist.plan.model.tp_share`).
 
     torch's ``nn.RMSNorm`` is not what is counted, nor used by --measure: on CUDA it runs a
     fused kernel that keeps the input and ``rstd`` (``2·h + 4`` in bf16), elsewhere its

@@ -29,12 +29,15 @@ Note [activations under pipeline parallelism]
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from typing import Optional
 
 from . import interleaved
 from .memory import param_bytes
-from .model import (ModelSpec, block_activation_bytes, input_side_bytes, output_side_bytes,
+from .model import (ModelSpec, block_activation_bytes, block_whole_bytes, input_side_bytes, output_side_bytes,
                     recomputed_layer_bytes)
+from .norm_bytes import final_norm_weight_bytes
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
@@ -56,31 +59,36 @@ def stage_blocks(layers: int, pp: int, stage: int) -> range:
     return range(layers * stage // pp, layers * (stage + 1) // pp)
 
 
-def _chunk_bytes(spec: ModelSpec, b: int, s: int, precision: str, recompute: str, stages: int, stage: int) -> int:
-    """What stage ``stage`` of ``stages`` saves for one micro-batch: its blocks and its side."""
-    one = sum(block_activation_bytes(spec, i, b, s, precision, recompute) for i in stage_blocks(spec.layers, stages,
-                                                                                                 stage))
+def _chunk_bytes(spec: ModelSpec, b: int, s: int, precision: str, recompute: str, stages: int, stage: int,
+                 tp: int) -> Fraction:
+    """What stage ``stage`` of ``stages`` saves for one micro-batch on one of ``tp`` tensor-parallel
+    ranks: its blocks and its side, split as :func:`fusedist.plan.model.tp_share` splits them
+    (exactly: a rank's peak sums several micro-batches before the one rounding)."""
+    blocks = stage_blocks(spec.layers, stages, stage)
+    one = sum(block_activation_bytes(spec, i, b, s, precision, recompute) for i in blocks)
+    whole = len(blocks) * block_whole_bytes(spec, recompute)
     if stage == 0:
         one += input_side_bytes(spec, b, s)
     if stage == stages - 1:
         one += output_side_bytes(spec, b, s, precision)
-    return one
+        whole += final_norm_weight_bytes(spec)
+    return Fraction(one - whole, tp) + whole
 
 
 def stage_activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
                            tp: int, pp: int, micro_batches: int, schedule: str, stage: int, virtual: int = 1) -> int:
     """Bytes stage ``stage`` (interleaved: rank ``stage``, its ``virtual`` stages) keeps for backward
-    at its peak (Note [activations under pipeline parallelism]); divided by ``tp`` as
-    :func:`fusedist.plan.model.activation_bytes`."""
+    at its peak (Note [activations under pipeline parallelism]) on one of ``tp`` tensor-parallel
+    ranks, split as :func:`fusedist.plan.model.activation_bytes` splits them."""
     b, s = micro_batch, seq
     if schedule == "interleaved":
-        def chunk(local: int) -> int:
-            return _chunk_bytes(spec, b, s, precision, recompute, pp * virtual, local * pp + stage)
+        def chunk(local: int) -> Fraction:
+            return _chunk_bytes(spec, b, s, precision, recompute, pp * virtual, local * pp + stage, tp)
         held = interleaved.peak_held(stage, pp, virtual, micro_batches, chunk)
     else:
-        held = (_chunk_bytes(spec, b, s, precision, recompute, pp, stage)
+        held = (_chunk_bytes(spec, b, s, precision, recompute, pp, stage, tp)
                 * in_flight(stage, pp, micro_batches, schedule))
-    return held // tp + recomputed_layer_bytes(spec, b, s, precision, recompute, tp)
+    return math.floor(held) + recomputed_layer_bytes(spec, b, s, precision, recompute, tp)
 
 
 def pipeline_activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,

@@ -10,10 +10,10 @@ from typing import Optional
 from . import comm, memory, suggest, timing
 from .errors import PlanError
 from .hardware import PRESETS, Hardware
-from .model import (ModelSpec, activation_bytes, active_params, attention_flops_per_token, block_params,
-                    count_params, embedding_params, expert_params, matmul_params, param_tensors,
-                    recomputed_layer_bytes, Vector)
+from .model import (ModelSpec, activation_bytes, active_params, attention_flops_per_token, count_params,
+                    expert_params, matmul_params, recomputed_layer_bytes)
 from .memory import STRATEGIES
+from .param_tensors import Vector, block_tensors, on_tp_rank, param_tensors, root_tensors, split_elements
 from .pipeline import pipeline_activation_bytes, pipeline_schedule, schedule_refusal
 
 GB = 10**9
@@ -59,8 +59,9 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     ways by tensor and ``pp`` ways by pipeline parallelism, and the routed experts ``ep``
     ways within the ``dp`` ranks (default the job's)."""
     ep = job.ep if ep is None else ep
-    shard_psi = psi / (tp * pp)
-    held = memory.held_params(psi, expert_params(spec), ep) / (tp * pp) if ep > 1 else None
+    tp_psi = _tp_params(spec, psi, tp)  # Note [what tensor parallelism splits] in param_tensors.py
+    shard_psi = tp_psi / pp
+    held = memory.held_params(tp_psi, expert_params(spec) / tp, ep) / pp if ep > 1 else None
     tensors = _tensors(spec, tp, ep)
     states = memory.model_states(shard_psi, dp, strategy, job.precision, job.optimizer, job.convention, held=held,
                                  step_tensors=_stepped_tensors(tensors, strategy, job, dp, pp,
@@ -70,7 +71,7 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     act = pipeline_activation_bytes(spec, job.micro_batch, job.seq, job.precision, job.recompute, tp, pp,
                                     micro_batches, job.pp_schedule, job.virtual_stages)
     units, outputs = _zero3_units(spec, tp, dp, ep)
-    root = embedding_params(spec) / tp if spec.has_shape else 0.0
+    root = _root_params(spec, tp)
     temp_args = (strategy, shard_psi if held is None else held, job.precision, units, job.bucket_cap_mb,
                  job.scratch_gb * GB)
     temp = memory.temp_bytes(*temp_args, root_params=root, n=dp, unit_outputs=outputs, tensors=tensors)
@@ -146,16 +147,34 @@ def _tensors(spec: ModelSpec, tp: int, ep: int) -> Optional[tuple]:
     split ``tp`` ways; None without a shape. Cached: the layout search asks for it per strategy."""
     if not spec.has_shape:
         return None
-    return tuple(-(-t // tp) for t in param_tensors(spec, ep))
+    return tuple(on_tp_rank(t, tp) for t in param_tensors(spec, ep))
+
+
+@functools.lru_cache(maxsize=32)
+def _tp_params(spec: ModelSpec, psi: float, tp: int) -> float:
+    """The parameters one of ``tp`` tensor-parallel ranks holds: the split ones' share and the whole
+    ones (Note [what tensor parallelism splits] in param_tensors.py); ``psi / tp`` for a model given by
+    --params alone."""
+    if not spec.has_shape or tp == 1:
+        return psi / tp
+    return split_elements(param_tensors(spec), tp)
+
+
+def _root_params(spec: ModelSpec, tp: int) -> float:
+    """What one of ``tp`` ranks holds of the parameters outside the blocks (ZeRO-3's root unit)."""
+    if not spec.has_shape:
+        return 0.0
+    return split_elements(root_tensors(spec, before_blocks=True) + root_tensors(spec, before_blocks=False), tp)
 
 
 def _zero3_units(spec: ModelSpec, tp: int, dp: int, ep: int) -> tuple:
     """ZeRO-3's units in order, as one rank gathers them (1/ep of an MoE block's experts), and
-    their reduce-scatter outputs: 1/N of the whole block, the experts' 1/(N/ep) of 1/ep."""
+    their reduce-scatter outputs: 1/N of the whole block, the experts' 1/(N/ep) of 1/ep; of a
+    tensor-parallel rank's share of each block."""
     if not spec.has_shape:
         return 0.0, None
-    units = [block_params(spec, i, ep) / tp for i in range(spec.layers)]
-    outputs = [block_params(spec, i) / tp / dp for i in range(spec.layers)]
+    units = [split_elements(block_tensors(spec, i, ep), tp) for i in range(spec.layers)]
+    outputs = [split_elements(block_tensors(spec, i), tp) / dp for i in range(spec.layers)]
     return units, outputs
 
 
@@ -351,7 +370,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         inputs["assumptions"]["activations"] += (
             "; an RMSNorm keeps its rows in fp32, the normalised rows in fp32 and an fp32 rstd a row (Gemma's "
             "RMSNorm, which multiplies by 1 + weight before the cast back: 8h + 4 bytes a token in bf16 and fp32, "
-            "and that fp32 1 + weight once a norm for each micro-batch)"
+            "and that fp32 1 + weight once a norm for each micro-batch, whole on each tensor-parallel rank)"
             if spec.gemma_norm else
             "; an RMSNorm keeps its rows in fp32, the normalised rows and an fp32 rstd a row (transformers' "
             "Llama RMSNorm: 6h + 4 bytes a token in bf16, where a LayerNorm keeps its 2h input)")

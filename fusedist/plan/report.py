@@ -108,7 +108,9 @@ def recipe(layout: dict) -> list:
     out = [f"  how: {mesh}"]
     if layout["tp"] > 1:
         out.append("  tensor parallelism: torch's parallelize_module(block, mesh[\"tp\"], plan) within a node, "
-                   "before the data-parallel wrapping (a 2-D mesh)")
+                   "before the data-parallel wrapping (a 2-D mesh); the plan counted: ColwiseParallel q/k/v, MLP up "
+                   "and output layer, RowwiseParallel attention output, MLP down and embedding, SequenceParallel "
+                   "norms, routers and latent attention's down-projections left whole (torchtitan's plans)")
     out.append(f"  data parallelism ({layout['strategy']}): {_DATA_PARALLEL[layout['strategy']]}")
     if layout["pp"] > 1:
         group = 'mesh["dp", "tp"]' if layout["tp"] > 1 else 'mesh["dp"]'

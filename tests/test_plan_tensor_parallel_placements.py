@@ -1,0 +1,204 @@
+"""What one tensor-parallel rank holds, against torch's tensor parallelism: the measured model's
+modules parallelized with ``parallelize_module`` on a CPU DeviceMesh of two ranks, in this one
+process (torch's in-process "fake" process group: the collectives do nothing, the placements and
+the local shapes are torch's own), and their local tensors counted.
+
+* Norms under sequence parallelism (``SequenceParallel``, as Megatron-LM and torchtitan run them):
+  each rank normalises ``1/t`` of the rows, its weight replicated, so Gemma's fp32 ``1 + weight``
+  is whole on every rank (Note [what a norm keeps] in fusedist/plan/norm_bytes.py).
+* Parameters under torchtitan's plans: each tensor's elements on a rank, and which are whole (Note
+  [what tensor parallelism splits] in fusedist/plan/param_tensors.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+from fusedist.plan import ModelSpec, activation_bytes
+from fusedist.plan.model import recomputed_layer_bytes
+from fusedist.plan.pipeline import stage_activation_bytes
+from fusedist.plan.torch_model import Transformer
+
+TP = 2
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+
+
+@pytest.fixture(scope="module")
+def tp_mesh():
+    """A 1-D mesh of ``TP`` ranks in this process, this process rank 0 (torch's fake process group)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized(), "a process group is already up in this process"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
+    try:
+        yield init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _saved_on_rank(module, x, width: int) -> tuple:
+    """This rank's bytes of the distinct storages autograd saves through ``module(x)``, parameters
+    left out: those of the rows, and those shaped as the weight (Gemma's fp32 ``1 + weight``)."""
+    params = {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        local = _local(t)
+        st = local.untyped_storage()
+        if st.data_ptr() not in params and st.nbytes():
+            seen[st.data_ptr()] = (st.nbytes(), tuple(local.shape) == (width,))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _local(module(x)).float().sum()
+    rows = sum(n for n, weight_shaped in seen.values() if not weight_shaped)
+    return rows, sum(n for n, weight_shaped in seen.values() if weight_shaped)
+
+
+def _norms_on_rank(spec: ModelSpec, mesh, dtype, b: int, s: int) -> tuple:
+    """Rows and weight-shaped bytes one rank's norms save for one micro-batch: every block's norms and
+    the final one, parallelized as Megatron-LM and torchtitan do (SequenceParallel over the sequence,
+    the q/k norms over the heads their rank holds), their inputs this rank's shards."""
+    model = Transformer(spec).to(dtype)
+    blocks = rows = weight = 0
+    for block in model.blocks:
+        wide = [block.norm1, block.norm2] + ([block.post1, block.post2] if spec.sandwich_norm else [])
+        per_head = [(block.q_norm, spec.heads), (block.k_norm, spec.kv)] if spec.qk_norm else []
+        for norm in wide:
+            parallelize_module(norm, mesh, SequenceParallel())
+            x = torch.randn(b, s // TP, spec.hidden, dtype=dtype, requires_grad=True)
+            r, w = _saved_on_rank(norm, x, spec.hidden)
+            rows, weight = rows + r, weight + w
+        for norm, heads in per_head:
+            parallelize_module(norm, mesh, SequenceParallel(sequence_dim=2))
+            x = torch.randn(b, s, heads // TP, spec.head_size, dtype=dtype, requires_grad=True)
+            r, w = _saved_on_rank(norm, x, spec.head_size)
+            rows, weight = rows + r, weight + w
+        blocks += 1
+    parallelize_module(model.norm, mesh, SequenceParallel())
+    final = _saved_on_rank(model.norm, torch.randn(b, s // TP, spec.hidden, dtype=dtype, requires_grad=True),
+                           spec.hidden)
+    return (rows, weight), final
+
+
+@DTYPES
+def test_gemma_norms_keep_a_whole_one_plus_weight_on_every_tensor_parallel_rank(tp_mesh, dtype):
+    """A rank's share of the activations differs between Gemma's norms and Llama's by the rows it
+    normalises (1/t of them) and, whole, each norm's fp32 ``1 + weight``: the planner divided that
+    by t too (at t = 2, half of it missing from each rank's figure)."""
+    torch.manual_seed(0)
+    b, s = 2, 8
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    shape = dict(arch="llama", layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=48, seq=s, vocab=16,
+                 head_dim=16, qk_norm=True, sandwich_norm=True)
+    gemma, llama = ModelSpec(**shape, gemma_norm=True), ModelSpec(**shape)
+    (g_rows, g_weight), (g_final_rows, g_final_weight) = _norms_on_rank(gemma, tp_mesh, dtype, b, s)
+    (l_rows, l_weight), (l_final_rows, l_final_weight) = _norms_on_rank(llama, tp_mesh, dtype, b, s)
+    assert l_weight == l_final_weight == 0
+    # the fp32 1 + weight of each of a block's four norms and two q/k norms, whole on the rank
+    assert g_weight == 4 * (4 * 32 + 2 * 16) * gemma.layers and g_final_weight == 4 * 32
+    rows_more = g_rows + g_final_rows - l_rows - l_final_rows  # the rank's normalised rows, fp32 for Gemma's
+    measured = rows_more + g_weight + g_final_weight
+    for recompute in ("none", "selective"):
+        assert (activation_bytes(gemma, b, s, precision, recompute, tp=TP)
+                - activation_bytes(llama, b, s, precision, recompute, tp=TP)) == measured, recompute
+    # full recomputation stores each block's input alone, then reruns one block, which holds its norms' tensors
+    one_block = (g_rows - l_rows + g_weight) // gemma.layers
+    assert (recomputed_layer_bytes(gemma, b, s, precision, "full", tp=TP)
+            - recomputed_layer_bytes(llama, b, s, precision, "full", tp=TP)) == one_block
+    # a pipeline of two stages, one block each, under 1F1B over two micro-batches: the first stage holds both
+    # micro-batches' block, the last one its block and the final norm
+    stages = [stage_activation_bytes(spec, b, s, precision, "none", TP, 2, 2, "1f1b", stage)
+              for stage in (0, 1) for spec in (gemma, llama)]
+    assert stages[0] - stages[1] == 2 * one_block
+    assert stages[2] - stages[3] == one_block + g_final_rows - l_final_rows + g_final_weight
+
+
+def _tp_plan(model, mesh) -> None:
+    """torchtitan's plans (Llama, DeepSeek-V3, its MoE) on the measured model: the embedding by vocabulary
+    rows, q/k/v, MLP-up, latent up-projections and the output layer by columns, the attention output and
+    MLP-down by rows, norms SequenceParallel; latent attention's down-projections and norms, the router, the
+    shared-expert gate and GPT's position embedding left whole; the stacked experts split by their MLP width
+    (torchtitan's TensorParallel on grouped experts). The fused q/k/v and gate-and-up matrices are split as
+    whole blocks of columns, not per head as a trained model needs: the same bytes a rank."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"wte": RowwiseParallel(), "norm": SequenceParallel()}
+    if model.head is not None:
+        plan["head"] = ColwiseParallel()
+    for i, block in enumerate(model.blocks):
+        at = f"blocks.{i}."
+        plan.update({at + "norm1": SequenceParallel(), at + "proj": RowwiseParallel()})
+        plan.update({at + name: SequenceParallel() for name in ("norm2", "post1", "post2")
+                     if isinstance(getattr(block, name), (torch.nn.LayerNorm, type(block.norm1)))})
+        plan.update({at + name: SequenceParallel(sequence_dim=2) for name in ("q_norm", "k_norm")
+                     if not isinstance(getattr(block, name), torch.nn.Identity)})
+        if block.latent is None:
+            plan[at + "qkv"] = ColwiseParallel()
+        else:
+            plan[at + ("latent.q.2" if isinstance(block.latent.q, torch.nn.Sequential) else "latent.q")] = \
+                ColwiseParallel()
+            plan[at + "latent.kv_b"] = ColwiseParallel()
+        if block.experts is None:
+            plan.update({at + "fc": ColwiseParallel(), at + "out": RowwiseParallel()})
+        else:
+            experts = block.experts
+            if experts.shared is not None:
+                plan.update({at + "experts.shared.fc": ColwiseParallel(), at + "experts.shared.out": RowwiseParallel()})
+            experts.w_in = torch.nn.Parameter(distribute_tensor(experts.w_in.data, mesh, [Shard(1)]))
+            experts.w_out = torch.nn.Parameter(distribute_tensor(experts.w_out.data, mesh, [Shard(0)]))
+    parallelize_module(model, mesh, plan)
+
+
+_SPECS = {
+    "gpt": dict(arch="gpt", layers=2, hidden=32, heads=4, seq=8, vocab=16),
+    "llama_biases_qk_and_sandwich_norms": dict(arch="llama", layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=48,
+                                               seq=8, vocab=16, head_dim=16, qkv_bias=True, out_bias=True,
+                                               mlp_bias=True, qk_norm=True, sandwich_norm=True, gemma_norm=True),
+    "falcon_shared_norm": dict(arch="falcon", layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, seq=8,
+                               vocab=16, parallel_attn=True, shared_norm=True, qkv_bias=True, out_bias=True,
+                               mlp_bias=True, tied=True),
+    "latent_attention_and_experts": dict(arch="llama", layers=2, hidden=32, heads=4, ffn_hidden=48, seq=8, vocab=16,
+                                         head_dim=12, kv_lora_rank=16, q_lora_rank=24, rope_head_dim=4,
+                                         v_head_dim=8, qkv_bias=True, experts=4, experts_per_token=2,
+                                         expert_ffn=8, shared_ffn=8, shared_gate=True, dense_layers=1),
+    "latent_attention_full_q": dict(arch="llama", layers=1, hidden=32, heads=4, ffn_hidden=48, seq=8, vocab=16,
+                                    head_dim=12, kv_lora_rank=16, rope_head_dim=4, v_head_dim=8),
+}
+
+
+@pytest.mark.parametrize("name", list(_SPECS))
+def test_a_tensor_parallel_rank_holds_the_parameters_the_planner_counts(tp_mesh, name):
+    """Each parameter's elements on a rank of torch's tensor-parallel model, in registration order, and
+    which are whole: norms, row-split biases, GPT's position embedding, latent attention's down-projections
+    and the router were counted as split (the planner put Ψ / t on a rank)."""
+    from fusedist.plan import count_params
+    from fusedist.plan.param_tensors import Whole, on_tp_rank, param_tensors
+    from fusedist.plan.hardware import PRESETS
+    from fusedist.plan.plan import Job, _memory_entry, _root_params, _tp_params, _zero3_units
+
+    spec = ModelSpec(**_SPECS[name])
+    model = Transformer(spec)
+    _tp_plan(model, tp_mesh)
+    local = [(_local(p).numel(), not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements))
+             for p in model.parameters()]
+    planned = [(on_tp_rank(t, TP), isinstance(t, Whole)) for t in param_tensors(spec)]
+    assert local == planned
+    assert _tp_params(spec, count_params(spec), TP) == sum(n for n, _ in local)
+    # ZeRO-3's units, a block each, as a rank gathers them
+    blocks = [sum(_local(p).numel() for p in block.parameters()) for block in model.blocks]
+    assert _zero3_units(spec, TP, 1, 1)[0] == blocks
+    assert _root_params(spec, TP) == sum(n for n, _ in local) - sum(blocks)  # the embeddings, final norm, head
+    # the plan's model states a rank: the ZeRO paper's 16 bytes a parameter of DDP with mixed-precision Adam
+    job = Job(gpus=TP, micro_batch=1, seq=spec.seq, convention="paper")
+    entry = _memory_entry(spec, count_params(spec), job, PRESETS["h100"], "ddp", 1, tp=TP)
+    assert entry["model_states_bytes"] == 16 * sum(n for n, _ in local)

@@ -26,7 +26,11 @@ fusedist reaches outside its own objects in a few places, and each is here:
 * torch.distributed's internal functions that forget process groups (``_unregister_process_group``,
   ``_unregister_all_process_groups``, which every destroy and abort calls once the group is gone) and
   ``_abort_process_group``: a destroyed group's communicator is released at once
-  (fusedist/comm/group_ends.py);
+  (fusedist/comm/group_ends.py), an aborted group's gloo connections close and a whole-process abort is
+  left in the store for the peers (one wrapper: Note [one wrapper of torch's abort] in
+  fusedist/comm/aborted_groups.py);
+* torch.distributed's ``barrier``, once a gloo exchange exists: a barrier that fails on a connection a peer
+  closed names that peer and why (fusedist/comm/barrier_closed.py);
 * ``atexit`` callbacks, run in reverse order of installation: a checkpoint still being
   written is finished, in-flight exchanges are drained before the interpreter finalizes
   (fusedist/comm), a rank leaving early says so to the others, a timeline is flushed.

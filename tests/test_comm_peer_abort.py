@@ -20,6 +20,10 @@
   gloo's with the collective and its size -- and, on the two groups a monitor watches, with what rank 1
   published there before its end: a crash, an early exit (before: gloo's bare "Connection closed by peer
   [address]").
+* Rank 1 aborts its groups (one subgroup, or all) while rank 0 waits in torch's ``dist.barrier``, and its process
+  is killed while rank 0's barrier waits on a group of its own: rank 0's error names rank 1 and its abort, or
+  that its process may have ended (before: gloo's bare "Connection closed by peer [address]", as torch's own
+  barrier, run for reference, still says -- as promptly).
 
 One launch for all (the subgroup scenarios abort a subgroup of their own; the others rebuild the default
 group after each abort; the kill scenario is last): each breaks its group, which a shared launch's scenarios
@@ -43,9 +47,9 @@ PROMPT_S = 8.0
 #: (gloo's own: over the exchange's 256 bytes)
 GLOO_NUMEL = 1 << 16
 SCENARIOS = ("sync", "async", "ddp bucket", "gloo all_reduce", "builtin all_reduce", "store record",
-             "builtin failure told", "process exit")
+             "builtin failure told", "barrier", "world barrier", "torch barrier", "process exit")
 #: the scenarios on a subgroup of their own, which alone they break (the default group goes on)
-SUBGROUP = ("sync", "gloo all_reduce", "builtin all_reduce", "builtin failure told")
+SUBGROUP = ("sync", "gloo all_reduce", "builtin all_reduce", "builtin failure told", "barrier", "torch barrier")
 #: the timeout of rank 0's collective in "builtin failure told"
 SHORT_TIMEOUT_S = 1.0
 
@@ -63,9 +67,9 @@ def _fresh_group(store, index: int, rank: int, world: int) -> None:
                             world_size=world, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
 
 
-def _collective(scenario: str, group, rank: int):
+def _collective(scenario: str, group, rank: int, torch_barrier):
     """What rank 0 runs, rank 1 leaves (both run theirs in "builtin failure told"); built on both ranks (as a
-    program holds its communicator and model)."""
+    program holds its communicator and model). ``torch_barrier``: torch's own, without fusedist's wrapper."""
     import torch.distributed as dist
 
     from fusedist.comm import get_communicator
@@ -102,6 +106,14 @@ def _collective(scenario: str, group, rank: int):
 
         def run():
             comm.all_reduce(x)
+    elif scenario.endswith("barrier"):
+        comm = get_communicator(group if group is not None else dist.group.WORLD)
+        comm.all_reduce(torch.ones(32))  # (an exchange on the group: rank 1's abort closes its connections)
+        # (the reference: torch's own, fusedist's wrapper left out: Note [a peer gone under torch's barrier])
+        barrier = torch_barrier if scenario == "torch barrier" else dist.barrier
+
+        def run():
+            barrier(group=group)
     elif scenario in ("gloo all_reduce", "builtin all_reduce"):
         from fusedist.comm.torch_comm import TorchCommunicator
 
@@ -128,17 +140,20 @@ def _peer_abort(rank, world):
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
-    from fusedist.comm import aborted_groups
+    from fusedist.comm import aborted_groups, get_communicator
 
     measured = {}
+    torch_barrier = dist.barrier  # (before this process's first exchange wraps it)
     for index, scenario in enumerate(SCENARIOS, start=1):
         if scenario == "store record":
             recorded_in = dist.distributed_c10d._get_default_store()
         # (the subgroup scenarios on a group of their own, which alone is aborted: the default group goes on)
         group = dist.new_group([0, 1]) if scenario in SUBGROUP else None
-        run = _collective(scenario, group, rank)
+        run = _collective(scenario, group, rank, torch_barrier)
         if scenario == "process exit":  # (gloo's own all-reduce in flight on groups of their own)
             in_flight = {told: _in_flight(dist.new_group([0, 1]), rank, told) for told in (None, "crash", "exit")}
+            barrier_group = dist.new_group([0, 1])
+            get_communicator(barrier_group).all_reduce(torch.ones(4))  # (one that pairs)
         _meet(store, f"{scenario}/ready", rank, world)
         if scenario == "process exit" and rank == 0:  # (rank 1 has made communicators since its abort)
             measured["record after the next communicator"] = aborted_groups.aborted_peers(recorded_in, [1])
@@ -166,6 +181,8 @@ def _peer_abort(rank, world):
             # stays alive (its communicator cached, its groups aborted) until rank 0 is done
             store.wait([f"peer-abort/{scenario}/done"], datetime.timedelta(seconds=120))
         else:
+            if scenario == "process exit":  # (torch's barrier in flight on a group of its own)
+                barrier_waited = _in_thread(lambda: dist.barrier(group=barrier_group))
             start = time.monotonic()
             try:
                 run()
@@ -175,6 +192,7 @@ def _peer_abort(rank, world):
             if scenario == "process exit":
                 for told, handle in in_flight.items():
                     measured[f"gloo all_reduce in flight, {told} told"] = _waited(handle.wait)
+                measured["barrier in flight"] = barrier_waited()
             del run
             dist.distributed_c10d._abort_process_group(group)
             store.set(f"peer-abort/{scenario}/done", b"")
@@ -194,6 +212,20 @@ def _in_flight(group, rank: int, told):
     monitor = attach_monitor(comm) if told is not None else None
     comm.all_reduce(torch.ones(4))  # (one that pairs)
     return comm.all_reduce(torch.ones(GLOO_NUMEL), async_op=True) if rank == 0 else monitor
+
+
+def _in_thread(wait):
+    """``wait()`` started on a thread of its own; returns what to call for its ``_waited`` result."""
+    import threading
+
+    result = []
+    thread = threading.Thread(target=lambda: result.append(_waited(wait)), daemon=True)
+    thread.start()
+
+    def joined():
+        thread.join(timeout=60)
+        return result[0] if result else (60.0, "still waiting")
+    return joined
 
 
 def _waited(wait) -> tuple:
@@ -271,3 +303,27 @@ def test_peer_killed_under_gloos_own_all_reduce_names_the_peer_and_the_collectiv
     assert seconds < PROMPT_S, f"rank 0 failed after {seconds:.1f} s: {error}"
     assert (f"all_reduce (tag '', collective #1) failed on rank 0 of 2: gloo's own all_reduce [{GLOO_NUMEL} x "
             f"torch.float32 per rank]: {why}") in error, error
+
+
+@pytest.mark.parametrize("scenario", ["barrier", "world barrier"])
+def test_peer_abort_under_torchs_barrier_names_the_peer(measured, scenario):
+    """Note [a peer gone under torch's barrier] (fusedist/comm/barrier_closed.py): torch's barrier failed as
+    promptly, with gloo's bare "Connection closed by peer [address]" (the "torch barrier" reference)."""
+    seconds, error = measured[scenario]
+    assert seconds < PROMPT_S, f"{scenario}: rank 0 failed after {seconds:.1f} s: {error}"
+    assert ("fusedist: torch.distributed's barrier failed on rank 0 of 2: rank 1 closed the connection: it aborted "
+            "its process groups (torch.distributed's _abort_process_group)") in error, error
+    assert "Connection closed by peer" in error, error  # (gloo's words kept)
+
+
+def test_torchs_own_barrier_fails_as_promptly_naming_no_rank(measured):
+    seconds, error = measured["torch barrier"]
+    assert seconds < PROMPT_S, f"torch's barrier failed after {seconds:.1f} s: {error}"
+    assert "Connection closed by peer" in error and "rank 1" not in error, error
+
+
+def test_peer_killed_under_torchs_barrier_names_the_peer(measured):
+    seconds, error = measured["barrier in flight"]
+    assert seconds < PROMPT_S, f"rank 0's barrier failed after {seconds:.1f} s: {error}"
+    assert ("fusedist: torch.distributed's barrier failed on rank 0 of 2: rank 1 closed the connection and left no "
+            "error: its process may have ended") in error, error

@@ -24,12 +24,23 @@ Note [an abort told to waits in the store]
     rank aborted -- and fail at once naming the rank and the abort. The record is withdrawn when this process
     makes its next communicator (a new group after the abort: its peers' waits must not end on the old
     one). Nothing is written until an abort.
+
+Note [one wrapper of torch's abort]
+    One wrapper of ``distributed_c10d._abort_process_group`` serves fusedist, installed through
+    ``_process_hooks.chain_module_function`` by the first communicator or exchange (so ``uninstall()`` restores
+    torch's own): it counts how deep this thread is in an abort -- the groups torch forgets meanwhile were
+    aborted, not destroyed, which group_ends.py asks by :func:`aborting` -- and, once this process has made a
+    gloo exchange, closes the aborted groups' connections and leaves the record above. Before, group_ends.py
+    and this module each wrapped it, the second copying the first's marker so that they chained in either
+    order, and this module's stayed in place after ``uninstall()``.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+
+from .._process_hooks import chain_module_function
 
 _ABORTED = "aborted its process groups (torch.distributed's _abort_process_group), which closed the group's connections"
 
@@ -40,14 +51,31 @@ _RECORDS = "fusedist/aborted_process"
 _lock = threading.Lock()
 _recorded: list = []  # (store, global rank) of this process's record, until its next communicator
 _watched: "weakref.WeakSet" = weakref.WeakSet()  # the ClosedConnections of this process's exchanges
+_exchange_made = False  # (once this process made its first gloo exchange)
+_depth = threading.local()  # how deep this thread is in _abort_process_group
+
+#: Note [one wrapper of torch's abort]
+_HOOK_KEY = "abort process groups: close their connections, tell the store"
 
 
 def watch(closing) -> None:
     """Close ``closing``'s group's connections when this process aborts it (Note [aborting a group
     closes its connections]); ``closing``: a ``ClosedConnections`` holding its group weakly."""
+    global _exchange_made
     with _lock:
         _watched.add(closing)
-        _install()
+        _exchange_made = True
+    install()
+    from . import barrier_closed  # (here: it imports this module)
+
+    barrier_closed.install()  # Note [a peer gone under torch's barrier] in barrier_closed.py
+
+
+def closing_of(group):
+    """The ``ClosedConnections`` of this process's exchange on ``group``, or None."""
+    with _lock:
+        watched = list(_watched)
+    return next((closing for closing in watched if closing.group() is group), None)
 
 
 def aborted_reason(rank_text: str) -> str:
@@ -55,28 +83,45 @@ def aborted_reason(rank_text: str) -> str:
     return f"{rank_text} {_ABORTED}"
 
 
-def _install() -> None:
+def install() -> None:
+    """fusedist's one wrapper of ``_abort_process_group`` (Note [one wrapper of torch's abort]), once;
+    ``_process_hooks.uninstall()`` removes it."""
     from torch.distributed import distributed_c10d
 
-    original = getattr(distributed_c10d, "_abort_process_group", None)
-    if original is None or getattr(original, "_fusedist_closes_connections", False):
-        return
+    chain_module_function(_HOOK_KEY, distributed_c10d, "_abort_process_group", _wrapped)
+
+
+def aborting() -> bool:
+    """Whether this thread is inside ``_abort_process_group`` (the groups torch forgets now are aborted)."""
+    return getattr(_depth, "value", 0) > 0
+
+
+def _wrapped(original):
+    """torch's ``original`` abort, within this thread's abort depth, and with the aborted groups' connections
+    closed and the record left once this process has made a gloo exchange (Note [one wrapper of torch's abort])."""
+    from torch.distributed import distributed_c10d
 
     def _abort_process_group(group=None):
-        groups = _groups_aborted_by(group)
-        whole = _whole_process(group)  # (read before the abort forgets the default group)
+        _depth.value = getattr(_depth, "value", 0) + 1
         try:
-            return original(group)
+            with _lock:
+                told = _exchange_made  # (nothing to close or to tell before this process's first exchange)
+            groups = _groups_aborted_by(group) if told else []
+            whole = _whole_process(group) if told else None  # (read before the abort forgets the default group)
+            try:
+                return original(group)
+            finally:
+                _close_aborted(groups)
+                del groups  # (held no longer than the abort)
+                if whole is not None and distributed_c10d.GroupMember.WORLD is None:  # (the abort went through)
+                    _record(*whole)
         finally:
-            _close_aborted(groups)
-            del groups  # (held no longer than the abort)
-            if whole is not None and distributed_c10d.GroupMember.WORLD is None:  # (the abort went through)
-                _record(*whole)
+            _depth.value -= 1
 
-    _abort_process_group._fusedist_closes_connections = True
+    _abort_process_group.__name__ = getattr(original, "__name__", _abort_process_group.__name__)
+    _abort_process_group.__doc__ = getattr(original, "__doc__", None)
     _abort_process_group.__wrapped__ = original
-    _abort_process_group.__doc__ = original.__doc__
-    distributed_c10d._abort_process_group = _abort_process_group
+    return _abort_process_group
 
 
 def _groups_aborted_by(group) -> list:

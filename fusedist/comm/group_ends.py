@@ -10,20 +10,19 @@ Note [when torch forgets a group]
     nothing here: it may come from another thread while a collective is blocked on the group, and
     a release waits for the communicator's helper threads, which only the abort's closed connections
     (Note [aborting a group closes its connections] in aborted_groups.py) set free; the next lookup
-    or the exit releases those groups, as before.
+    or the exit releases those groups, as before. An abort is told from a destroy by
+    ``aborted_groups.aborting()`` (Note [one wrapper of torch's abort] in aborted_groups.py).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 from .._process_hooks import chain_module_function, installed
+from . import aborted_groups
 
 _KEYS = ("release a destroyed group: _unregister_process_group",
-         "release a destroyed group: _unregister_all_process_groups",
-         "release a destroyed group: _abort_process_group")
-_aborts = threading.local()
+         "release a destroyed group: _unregister_all_process_groups")
 
 
 def watch(on_forgotten: Callable[[bool], None]) -> None:
@@ -36,21 +35,15 @@ def watch(on_forgotten: Callable[[bool], None]) -> None:
                 return forget(*args, **kwargs)
             finally:
                 if _KEYS[0] in installed():
-                    _run(on_forgotten, getattr(_aborts, "depth", 0) > 0)
-        return _like(forgotten, forget)
-
-    def counting(abort):
-        def _abort_process_group(*args, **kwargs):
-            _aborts.depth = getattr(_aborts, "depth", 0) + 1
-            try:
-                return abort(*args, **kwargs)
-            finally:
-                _aborts.depth -= 1
-        return _like(_abort_process_group, abort)
+                    _run(on_forgotten, aborted_groups.aborting())
+        forgotten.__name__ = getattr(forget, "__name__", forgotten.__name__)
+        forgotten.__doc__ = getattr(forget, "__doc__", None)
+        forgotten.__wrapped__ = forget
+        return forgotten
 
     chain_module_function(_KEYS[0], distributed_c10d, "_unregister_process_group", after)
     chain_module_function(_KEYS[1], distributed_c10d, "_unregister_all_process_groups", after)
-    chain_module_function(_KEYS[2], distributed_c10d, "_abort_process_group", counting)
+    aborted_groups.install()  # (tells an abort from a destroy: Note [one wrapper of torch's abort])
 
 
 def _run(on_forgotten: Callable[[bool], None], aborted: bool) -> None:
@@ -59,14 +52,3 @@ def _run(on_forgotten: Callable[[bool], None], aborted: bool) -> None:
         on_forgotten(aborted)
     except Exception:  # noqa: BLE001
         pass
-
-
-def _like(wrapper, original):
-    """``wrapper`` named and documented as ``original`` (and marked, for code that looks for markers)."""
-    wrapper.__name__ = getattr(original, "__name__", wrapper.__name__)
-    wrapper.__doc__ = getattr(original, "__doc__", None)
-    wrapper.__wrapped__ = original
-    for marker in ("_fusedist_closes_connections",):  # (aborted_groups.py looks for its own wrapper by it)
-        if getattr(original, marker, False):
-            setattr(wrapper, marker, True)
-    return wrapper

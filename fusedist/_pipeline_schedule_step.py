@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ._pipeline_step_status import (
     exchange, put_back, several_armed, wait_bounded, zero_activations, zero_gradients)
-from ._pipeline_step_verdict import divergence_at_step_end, told_message
+from ._pipeline_step_verdict import StepVerdicts, raise_told
 
 
 def wrap_step(schedule) -> None:
@@ -103,15 +103,12 @@ def _run(schedule, original, args, kwargs):
         wait_bounded(stages[0], works)
         raise RuntimeError(told or message) from (e.__cause__ or e)
     # Note [the step check's verdict read at the step's end] (_pipeline_step_verdict.py): every stage's, in order
-    found = [(stage, e) for stage in stages if (e := divergence_at_step_end(stage)) is not None]
-    mine = told_message(*found[0]) if found else None
-    told = exchange(stages[0], mine)
+    verdicts = StepVerdicts(stages)
+    told = exchange(stages[0], verdicts.message(), verdicts=verdicts)
     if told is not None:
         for stage in stages:
             put_back(stage)
-        if mine is not None and mine.startswith(told):  # (this rank's, as told)
-            raise found[0][1]
-        raise RuntimeError(told) from (found[0][1] if found else None)
+        raise_told(told, verdicts)
     for stage in stages:
         stage._step_told_ended()
     return result

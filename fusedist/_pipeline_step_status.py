@@ -21,9 +21,9 @@ Note [a failure told at the step's end]
       pipeline takes part in one all-reduce of one integer: which failing rank's message to tell, or none
       (Note [the failure told, of several]). Only after a failure, that rank broadcasts its message: every
       rank raises the same ``RuntimeError`` naming the stage, its rank, the micro-batch (and whether its
-      loss or backward) and the exception; the failing rank's chains its own exception. A DDP stage's
-      data-parallel peers found diverged by the step check right before the exchange are told the same way
-      (Note [the step check's verdict read at the step's end] in _pipeline_step_verdict.py).
+      loss or backward) and the exception; the failing rank's chains its own exception. A stage's
+      data-parallel peers that diverged in the step are told the same way: the step check's verdict rides
+      on the exchange (Note [the step check's verdict read at the step's end] in _pipeline_step_verdict.py).
     No rank's step ends: each counts as one that raised (Note [a step that raised] in
     _pipeline_step_failures.py), so no optimizer step follows on any rank, and each rank's next step is
     refused. Every stage module's buffers are put back as the step found them on every rank (a BatchNorm's
@@ -239,13 +239,13 @@ def wait_bounded(stage, works: list) -> None:
         stage._status_works = works  # (kept alive with their tensors)
 
 
-def step_end_failure(stage, message=None):
-    """At the step's end: the failure a rank told of (``message``: this rank's, Note [the step check's verdict
-    read at the step's end] in _pipeline_step_verdict.py), or None (and None where not armed, or where the
-    rank's schedule step exchanges: several stages per rank)."""
+def step_end_failure(stage, verdicts=None):
+    """At the step's end: the failure a rank told of (``verdicts``: this rank's pending step-check verdicts,
+    Note [the step check's verdict read at the step's end] in _pipeline_step_verdict.py), or None (and None
+    where not armed, or where the rank's schedule step exchanges: several stages per rank)."""
     if getattr(stage, "_status_told", False) or not single_armed(stage):
         return None
-    failure = exchange(stage, message)
+    failure = exchange(stage, None if verdicts is None else verdicts.message(), verdicts=verdicts)
     if failure is not None:
         put_back(stage)
     return failure
@@ -288,13 +288,17 @@ def publish_failure(stage, message: str) -> None:
         count_published(stage._published_elsewhere or [], stage)  # Note [the next step waits until the peers were told]
 
 
-def exchange(stage, message, on_zeros: bool = False):
+def exchange(stage, message, on_zeros: bool = False, verdicts=None):
     """Every rank of the pipeline: the message of the failure to tell, or None where none failed. One
     integer, the MAX over the ranks: 0 where none failed, else the rank's priority (Note [the failure
-    told, of several])."""
+    told, of several]). ``verdicts``: the rank's pending step-check verdicts, whose flag counts as a
+    failure on real inputs and which are read only after a failure (Note [the step check's verdict read
+    at the step's end] in _pipeline_step_verdict.py)."""
     size, me = stage.group_size, stage.group_rank
     priority = 0 if message is None else (size - me) + (0 if on_zeros else size)
     flag = torch.tensor([priority], dtype=torch.int64, device=stage.device)
+    if verdicts is not None and verdicts.flag is not None:  # (on the device: the host waits for nothing here)
+        flag = torch.maximum(flag, (verdicts.flag != 0).to(torch.int64) * (2 * size - me))
     # Note [a pipeline's failure told to its data-parallel peers]
     published = [] if message is None else failed_elsewhere.publish(message)
     try:
@@ -305,7 +309,13 @@ def exchange(stage, message, on_zeros: bool = False):
     if top == 0:
         return None
     count_failed_step(stage)  # (a peer waiting on this rank: Note [the next step waits until the peers were told])
+    if verdicts is not None:  # every rank with a flag reads its verdicts here, before the broadcast
+        found = verdicts.read()
+        message = message or found
     src = 2 * size - top if top > size else size - top
+    if src == me and message is None:  # (a flag whose verdict then read as agreeing: cannot happen)
+        message = (f"fusedist.pipelining.PipelineStage: rank {me}'s step check flagged a divergence its reading "
+                   "did not confirm (no rank's step ends)")
     buffer = (_notice(stage, _FAILED, message) if src == me
               else torch.zeros(NOTICE_BYTES, dtype=torch.uint8, device=stage.device))
     dist.broadcast(buffer, group_src=src, group=stage.group)

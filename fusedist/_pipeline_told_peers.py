@@ -43,7 +43,9 @@ Note [the next step waits until the peers were told]
     publish (or at a failure told at the step's end), and a read of the peers' entries every ``POLL_S`` while
     waiting (``SLOW_POLL_S`` past the probe's delay and ``MARGIN_S``). Not waited where the probe is off
     (``FUSEDIST_DIVERGENCE_PROBE_S=0``, ``FUSEDIST_CHECKS=0``): no peer reads the entries, and a late peer's
-    reductions still pair with the retried step's (the step check names it at the next forward).
+    reductions still pair with the retried step's; with the step check on, that step raises at its end on
+    every rank, before any optimizer step, naming each data-parallel rank's step (Note [a retried step paired
+    with a late peer's] in _pipeline_step_verdict.py).
 """
 
 from __future__ import annotations

@@ -103,8 +103,9 @@ Note [several devices in one stage]
     In _pipeline_set_aside.py.
 
 Note [the step check's verdict read at the step's end]
-    In _pipeline_step_verdict.py: a DDP stage's data-parallel peers that diverged in a step are named at the
-    step's end, on every rank, before any optimizer step (where the last bucket carried the check).
+    In _pipeline_step_verdict.py: a DDP or ``fully_shard`` stage's data-parallel peers that diverged in a step
+    are named at the step's end, on every rank, before any optimizer step; and Note [a retried step paired with
+    a late peer's] there.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ from ._pipeline_set_aside import _divided, _give_back, _holders_outside_grad, _S
 from ._pipeline_step_status import (
     backward_failure_told, began, micro_batches, publish_first_step_failure, put_back_buffers, several_armed,
     single_armed, status_armed, step_end_failure, told_at_step_end)
-from ._pipeline_step_verdict import divergence_at_step_end, told_message
+from ._pipeline_step_verdict import StepVerdicts, raise_told, read_now
 from ._pipeline_sync_switch import _sync_switch, _torch_data_parallel, _user_sync
 from ._pipeline_told_peers import step_began, wait_until_told
 from ._pipeline_vote import backward_result, forward_vote
@@ -367,16 +368,13 @@ class PipelineStage(_TorchPipelineStage):
                 return
             return super().perform_reduce_grad(grad_scale_factor)
         # Note [the step check's verdict read at the step's end] (_pipeline_step_verdict.py)
-        diverged = divergence_at_step_end(self) if self.group_size == 1 or single_armed(self) else None
-        if diverged is not None and self.group_size == 1:
-            raise diverged
+        if self.group_size == 1:
+            read_now(self)
+        verdicts = StepVerdicts([self]) if single_armed(self) and not getattr(self, "_status_told", False) else None
         # Note [a failure told at the step's end] (_pipeline_step_status.py)
-        mine = None if diverged is None else told_message(self, diverged)
-        failure = step_end_failure(self, mine)
-        if mine is not None and failure is not None and mine.startswith(failure):  # (this rank's, as told)
-            raise diverged
+        failure = step_end_failure(self, verdicts)
         if failure is not None:
-            raise RuntimeError(failure) from diverged
+            raise_told(failure, verdicts)
         if getattr(self, "_step", None) is not None:  # the step's messages are all exchanged
             self._step.end()
         super().perform_reduce_grad(grad_scale_factor)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import launch_for_selected, results_of, under_env
 
 WIDTH, STAGES = 8, 2
 
@@ -225,11 +225,13 @@ def test_scaler_found_inf_group_skips_every_stage(kind, launched2):
             assert weights < 1e-6, (seed, kind, lazy, rank, weights)
 
 
-def _diverged_peers_worker(rank, world_size, seed, layout):
-    """DDP stages under ``layout`` -- 1F1B over a 2 (pp) x 2 (dp) mesh, interleaved 1F1B (two stages a rank)
-    over it, or 1F1B on one-rank pipelines over a 1 x 4 mesh -- SGD stepped after each step; rank 1 runs one
-    extra training forward of its (first) stage module before the first step. (the step that raised, the
-    exception's type and text, the largest change of the rank's weights)."""
+def _diverged_peers_worker(rank, world_size, seed, layout, kind="ddp"):
+    """``kind`` stages ("ddp", "fully_shard") under ``layout`` -- 1F1B over a 2 (pp) x 2 (dp) mesh,
+    interleaved 1F1B (two stages a rank) over it, or 1F1B on one-rank pipelines over a 1 x 4 mesh -- SGD
+    stepped after each step; before the first step rank 1 runs one extra training forward of its (first) DDP
+    stage module, or puts the Tanh of its (first) fully_shard stage module in eval mode (an extra forward
+    there would pair its gathers with the peers' next). (the step that raised, the exception's type and
+    text, the largest change of the rank's weights)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 
@@ -239,7 +241,7 @@ def _diverged_peers_worker(rank, world_size, seed, layout):
     mesh = init_device_mesh("cpu", (pp, world_size // pp), mesh_dim_names=("pp", "dp"))
     local = [rank // mesh["dp"].size()] if layout != "interleaved" else [rank // mesh["dp"].size(), 2 + rank // 2]
     stages = len(local) * pp
-    built = [_stage("ddp", seed + index, mesh) for index in local]
+    built = [_stage(kind, seed + index, mesh) for index in local]
     pipelines = [PipelineStage(run, index, stages, torch.device("cpu"), group=mesh["pp"].get_group())
                  for index, (run, _, _) in zip(local, built)]
     schedule = (ScheduleInterleaved1F1B(pipelines, n_microbatches=2, loss_fn=lambda o, t: (o - t).square().mean())
@@ -251,8 +253,10 @@ def _diverged_peers_worker(rank, world_size, seed, layout):
     raised = None
     for step in range(2):
         x, y = torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g)
-        if rank == 1 and step == 0:
+        if rank == 1 and step == 0 and kind == "ddp":
             built[0][0](x)  # (a loss computed and dropped: the peers' forward counts now differ)
+        elif rank == 1 and step == 0:
+            built[0][1][1].eval()  # (the peers' modes now differ)
         try:
             schedule.step(*([x] if first else []), **({"target": y} if last else {}))
         except RuntimeError as e:
@@ -261,33 +265,100 @@ def _diverged_peers_worker(rank, world_size, seed, layout):
         for _, _, opt in built:
             opt.step()
             opt.zero_grad()
-    after = [p.detach() for _, model, _ in built for p in model.parameters()]
-    moved = max(float((p - q).abs().max()) for p, q in zip(after, before))
+    after = [p.detach().clone() for _, model, _ in built for p in model.parameters()]
+    moved = max(float((p - q).abs().max()) if p.numel() else 0.0 for p, q in zip(after, before))
     del built, pipelines, schedule
     gc.collect()
     return raised, moved
 
 
 DIVERGED_LAYOUTS = ("1F1B", "interleaved", "one-rank pipelines")
+DIVERGED_KINDS = ("ddp", "fully_shard")
 
 
+@pytest.mark.parametrize("stage_kind", DIVERGED_KINDS)
 @pytest.mark.parametrize("layout", DIVERGED_LAYOUTS)
-def test_peers_that_diverged_in_a_step_raise_at_its_end_before_the_optimizer_step(layout, launched4):
-    """A stage's data-parallel peers at different points (one ran an extra forward) are named at the step's
-    end, on every rank of every pipeline, and no optimizer step applies; before, the step ended, every rank
-    stepped its optimizer on gradients averaged across different points, and the next step's first forward
-    raised."""
-    for rank, (raised, moved) in enumerate(results_of(launched4, f"diverged peers {layout}")):
-        assert raised is not None, (layout, rank, moved)
+def test_peers_that_diverged_in_a_step_raise_at_its_end_before_the_optimizer_step(layout, stage_kind, launched4):
+    """A stage's data-parallel peers at different points (one ran an extra forward) or that ran the step
+    differently (a module in eval mode on one), DDP or fully_shard, are named at the step's end, on every rank
+    of every pipeline, and no optimizer step applies; before, the step ended, every rank stepped its optimizer
+    on gradients reduced across ranks that diverged, and the next step's first forward raised."""
+    for rank, (raised, moved) in enumerate(results_of(launched4, f"diverged peers {layout} {stage_kind}")):
+        assert raised is not None, (layout, stage_kind, rank, moved)
         step, kind, message = raised
-        assert step == 0 and moved == 0.0, (layout, rank, step, moved, message)
-        counts = re.search(r"forward: ranks \[0(?:, 2, 3)?\]: (\d+); ranks \[1\]: (\d+)", message)
-        assert "ranks diverged" in message and counts and int(counts[2]) == int(counts[1]) + 1, (layout, rank, message)
-        assert "before any optimizer step" in message, (layout, rank, message)
+        assert step == 0 and moved == 0.0, (layout, stage_kind, rank, step, moved, message)
+        assert "ranks diverged" in message, (layout, stage_kind, rank, message)
+        if stage_kind == "ddp":
+            counts = re.search(r"forward: ranks \[0(?:, 2, 3)?\]: (\d+); ranks \[1\]: (\d+)", message)
+            assert counts and int(counts[2]) == int(counts[1]) + 1, (layout, rank, message)
+        else:
+            assert re.search(r"modes: ranks \[0(?:, 2, 3)?\] \| ranks \[1\] ran in different modes", message), (
+                layout, rank, message)
+        assert "before any optimizer step" in message, (layout, stage_kind, rank, message)
         if layout == "one-rank pipelines" or rank // 2 == 0:  # a rank of stage 0: the check's own error
             assert kind == "RankMismatchError", (layout, rank, kind, message)
         else:  # the other stages' ranks: told by their pipeline's exchange
             assert kind == "RuntimeError" and "replicas of stage 0 diverged" in message, (layout, rank, kind, message)
+
+
+def _refusing_loss(o, t):
+    if bool((t == 777).all()):
+        raise ValueError("the target of micro-batch 0 is refused")
+    return (o - t).square().mean()
+
+
+def _retry_paired_with_a_late_peer_worker(rank, world_size, seed, kind="ddp"):
+    """1F1B over a 2 (pp) x 2 (dp) mesh, ``kind`` stages ("ddp", "fully_shard"), the divergence probe off:
+    pipeline 0's last stage refuses micro-batch 0 of the first step (the shape inference fails: the step
+    counts as ended), pipeline 0 catches it and takes the next step at once, SGD stepped after each step that
+    returns. (each step's error or None, the largest change of the rank's weights)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from fusedist.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (STAGES, world_size // STAGES), mesh_dim_names=("pp", "dp"))
+    stage, dp = rank // mesh["dp"].size(), mesh["dp"].get_local_rank()
+    run, model, opt = _stage(kind, seed + stage, mesh)
+    pipeline = PipelineStage(run, stage, STAGES, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(pipeline, n_microbatches=2, loss_fn=_refusing_loss)
+    before = [p.detach().clone() for p in model.parameters()]
+    g = torch.Generator().manual_seed(seed + dp)
+    errors = []
+    for step in range(2 if dp == 0 else 1):  # (pipeline 1 takes one step: the retry meets it)
+        x, y = torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g)
+        if step == 0 and dp == 0:
+            y[:2] = 777  # (micro-batch 0's rows)
+        try:
+            schedule.step(*([x] if stage == 0 else []), **({"target": y} if stage == STAGES - 1 else {}))
+            opt.step()
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append((type(e).__name__, str(e)))
+        opt.zero_grad()
+    moved = max(float((p.detach() - q).abs().max()) if q.numel() else 0.0 for p, q in zip(model.parameters(), before))
+    del run, model, opt, pipeline, schedule
+    gc.collect()
+    return errors, moved
+
+
+@pytest.mark.parametrize("stage_kind", DIVERGED_KINDS)
+def test_a_retry_paired_with_a_late_peers_first_attempt_raises_naming_both_steps(stage_kind, launched4):
+    """Note [a retried step paired with a late peer's] (fusedist/_pipeline_step_verdict.py), the divergence probe
+    off, DDP or fully_shard stages: pipeline 0's retried step's reductions pair with pipeline 1's first step's.
+    Before, both returned, every rank applied an optimizer step averaging pipeline 0's second batch with
+    pipeline 1's first, and only the next forward named it; now that step raises at its end on every rank, no
+    rank's weights move, and the error names each data-parallel rank's step (global rank 0 in step #2, global
+    rank 1 in step #1)."""
+    for rank, (errors, moved) in enumerate(results_of(launched4, f"retry paired with a late peer {stage_kind}")):
+        assert moved == 0.0, (rank, moved, errors)
+        if rank in (0, 2):  # pipeline 0: the failed first step, then the retry
+            assert errors[0] is not None and "the target of micro-batch 0 is refused" in errors[0][1], (rank, errors)
+        kind, message = errors[-1]
+        assert "ranks diverged" in message and "before any optimizer step" in message, (rank, message)
+        assert "pipeline steps of stage 0's data-parallel ranks differ: global rank 0: step #2; global rank 1: " \
+            "step #1" in message, (rank, message)
+        assert kind == ("RankMismatchError" if rank in (0, 1) else "RuntimeError"), (rank, kind, message)
 
 
 # One launch per world size for the selected tests' cases, each on a fresh random seed; every
@@ -301,7 +372,12 @@ def launched4(request):
         "test_torchtitans_clip_a_zero2_stage_cannot_measure_is_refused": {
             f"titan refused {case}": (_titan_refused_worker, (5, case)) for case, _ in REFUSED},
         "test_peers_that_diverged_in_a_step_raise_at_its_end_before_the_optimizer_step": {
-            f"diverged peers {layout}": (_diverged_peers_worker, (seed, layout)) for layout in DIVERGED_LAYOUTS},
+            f"diverged peers {layout} {kind}": (_diverged_peers_worker, (seed, layout, kind))
+            for layout in DIVERGED_LAYOUTS for kind in DIVERGED_KINDS},
+        "test_a_retry_paired_with_a_late_peers_first_attempt_raises_naming_both_steps": {  # (last: it fails a step)
+            f"retry paired with a late peer {kind}": (under_env, ({"FUSEDIST_DIVERGENCE_PROBE_S": "0"},
+                                                                  _retry_paired_with_a_late_peer_worker, seed, kind))
+            for kind in DIVERGED_KINDS},
     }, 4, timeout=300)}
 
 

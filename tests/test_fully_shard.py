@@ -775,19 +775,45 @@ def _slices_and_copies(rank, ws):
             y = part(x)
         out[name] = {"slice": (type(part).__name__, isinstance(part, fsdp_module), len(part)),
                      "copy": (type(shallow).__name__, isinstance(shallow, fsdp_module)),
-                     "blocks sharded": [isinstance(b, fsdp_module) for b in part], "y": y}
+                     "blocks sharded": [isinstance(b, fsdp_module) for b in part], "y": y,
+                     **_constructed_through_the_class(model, fsdp_module)}
     out["y"] = (out["fsdp2"].pop("y") - out["ours"].pop("y")).abs().max().item()
+    block_copy = copy.copy(ours[0])  # FSDP2's fails in Block.__init__ (no d); a copy needs no constructor
+    out["block copy"] = (type(block_copy).__name__, block_copy.fc1.weight is ours[0].fc1.weight)
     return out
+
+
+def _constructed_through_the_class(model, fsdp_module):
+    """``type(sharded)(...)``: with the original's arguments, none, or too few."""
+    empty = type(model)()
+    torch.manual_seed(5)
+    built = type(model[0])(8)
+    try:
+        type(model[0])()
+        refused = None
+    except TypeError as e:
+        refused = str(e)
+    return {"no arguments": (type(empty).__name__, isinstance(empty, fsdp_module), len(empty), repr(empty)),
+            "with arguments": (type(built).__name__, isinstance(built, fsdp_module), repr(built),
+                               {k: v.tolist() for k, v in built.state_dict().items()}),
+            "missing arguments": refused}
 
 
 def test_a_slice_of_a_sharded_sequential_is_a_plain_module_as_fsdp2s(launched2):
     """Was: ``model[1:]`` and ``copy.copy(model)`` of a sharded Sequential were of the sharded class
     without a unit -- ``isinstance(part, FSDPModule)`` held and ``part.unshard()`` failed on a missing
-    state; FSDP2's are plain Sequentials holding the sharded blocks."""
+    state; FSDP2's are plain Sequentials holding the sharded blocks. And ``type(sharded)()`` gave an
+    object whose ``__init__`` never ran (``len()`` failed on a missing ``_modules``), and a
+    constructor missing its arguments did not fail; FSDP2's calls the original ``__init__`` (the same
+    parameters from the same seed, the original's ``TypeError``)."""
     for res in results_of(launched2, "slices"):
         assert res["ours"] == res["fsdp2"], res
         assert res["ours"]["slice"] == ("Sequential", False, 2), res["ours"]
         assert res["y"] == 0.0, res["y"]  # the same blocks, the same forward
+        assert res["block copy"] == ("Block", True), res["block copy"]
+        # constructing through the sharded class (compared with FSDP2's above, key by key)
+        assert res["ours"]["no arguments"][:3] == ("Sequential", False, 0), res["ours"]
+        assert "missing 1 required positional argument: 'd'" in res["ours"]["missing arguments"], res["ours"]
 
 
 # ----------------------------------------------------------------------------- shared spawns
@@ -812,7 +838,8 @@ JOBS = {
         "test_apply_touching_no_parameter_gathers_nothing": {
             "apply": (_after_collecting, (_apply_without_parameters,))},
         "test_a_slice_of_a_sharded_sequential_is_a_plain_module_as_fsdp2s": {
-            "slices": (_after_collecting, (_slices_and_copies,))}},
+            "slices": (_after_collecting, (_slices_and_copies,))},
+},
     3: {"test_parity_with_torch_fsdp2_adamw": {"core": (_after_collecting, (_core,))},
         "test_edge_cases_match_torch_fsdp2": {"edges": (_after_collecting, (_edges,))}},
 }

@@ -609,6 +609,8 @@ def test_first_forward_in_inference_mode_then_training_matches_fsdp2():
 # ------------------------------------------------------------- deep copies
 def _deepcopy(rank, ws):
     import copy
+    import io
+    import pickle
 
     import fusedist
 
@@ -616,19 +618,29 @@ def _deepcopy(rank, ws):
     for m in model.blocks:
         fusedist.fully_shard(m, mesh=_mesh(ws))
     fusedist.fully_shard(model, mesh=_mesh(ws))
-    errors = []
+    errors, pickled = [], []
     for target in (model, model.blocks[0]):
         try:
             copy.deepcopy(target)
         except TypeError as e:
             errors.append(str(e))
-    return errors
+        for save in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+            try:
+                save(target)
+            except pickle.PicklingError as e:  # (as before and as FSDP2's), and a TypeError as deepcopy's
+                pickled.append(str(e) if isinstance(e, TypeError) else f"not a TypeError: {e}")
+    return errors, pickled
 
 
-def test_deepcopy_is_refused_by_name_as_in_fsdp2():
+def test_deepcopy_and_pickling_are_refused_by_name():
     """FSDP2 refuses deepcopy of a sharded module with an AssertionError; fusedist's failed deep
-    inside ("cannot pickle 'WeakMethod'"). Now a TypeError that says what to do instead."""
-    for errors in run_distributed(_deepcopy, 2):
+    inside ("cannot pickle 'WeakMethod'"). Pickling (``torch.save(model)``) failed, as FSDP2's does,
+    on the class made at sharding ("attribute lookup FullyShardStack ... failed"). Now each is a
+    TypeError that says what to do instead."""
+    for errors, pickled in run_distributed(_deepcopy, 2):
         assert len(errors) == 2, errors
         for e in errors:
             assert "cannot be deep-copied" in e and "full_state_dict" in e, e
+        assert len(pickled) == 4, pickled
+        for e in pickled:
+            assert "cannot be pickled" in e and "fusedist.checkpoint.save" in e, e

@@ -25,6 +25,7 @@ from .extension import extension_specs, put_stand_ins, take_stand_ins
 from .dtensor_view import record_mesh
 from .mesh import groups_of, shard_mesh_of
 from .owners import Held, record_owner, register_pieces
+from .sharded_class import original_class, refuse_pickling, shallow_copy, sharded_class
 from .child_calls import guard_child_calls
 from .members import check_params, describe, members_of, take_params
 from .module_apply import apply_whole
@@ -151,7 +152,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     for m in modules:
         if unit is not None:
             install_state_dict_hooks(m)  # Note [pieces in torch's distributed checkpoint]
-        m.__class__ = _sharded_class(type(m))
+        m.__class__ = sharded_class(type(m), FullyShardedModule)
     return module
 
 
@@ -165,18 +166,6 @@ def _check_bool(name: str, value) -> bool:
         return bool(value)
     where = "" if cls.__module__ == "builtins" else f"{cls.__module__}."
     raise TypeError(f"{name} must be a bool, got {where}{cls.__qualname__}")
-
-
-_CLASSES: dict = {}
-
-
-def _sharded_class(cls: type) -> type:
-    if issubclass(cls, FullyShardedModule):
-        return cls
-    sharded = _CLASSES.get(cls)
-    if sharded is None:
-        sharded = _CLASSES[cls] = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
-    return sharded
 
 
 class UnshardHandle:
@@ -203,13 +192,18 @@ class FullyShardedModule:
     training script keeps working when its import moves to fusedist."""
 
     def __new__(cls, *args, **kwargs):
-        """A new instance of a sharded module's class -- a container's slice (``seq[1:]``) is built
-        by ``type(self)(...)`` -- is a module of the original class, as FSDP2's: it was not given to
-        ``fully_shard``. It used to be of the sharded class without a unit: ``isinstance(slice,
-        FSDPModule)`` held and its ``unshard()`` failed on a missing state. Without arguments
-        (``copy.copy`` and unpickling make the object, then restore its state) it is left to them."""
-        original = cls.__mro__[2]  # (FullyShardClass, FullyShardedModule, original, ...)
-        return original(*args, **kwargs) if args or kwargs else original.__new__(original)
+        """``type(sharded)(...)`` (a container's slice, ``type(model)()``) builds a module of the
+        original class with its ``__init__``, as FSDP2's (Note [constructing through a sharded class]
+        in sharded_class.py)."""
+        return original_class(cls, FullyShardedModule)(*args, **kwargs)
+
+    def __copy__(self):
+        """``copy.copy``: the original class's object with this module's attributes (Note
+        [constructing through a sharded class] in sharded_class.py)."""
+        return shallow_copy(self, FullyShardedModule)
+
+    def __reduce_ex__(self, protocol):
+        refuse_pickling(self)
 
     def _fs_state(self) -> FullyShardState:
         return state_of(self)

@@ -5,7 +5,8 @@ buffers synced at construction and at forwards (``forward_sync_buffers``, the de
 with torch DDP on 2 gloo ranks; so are the attributes and private methods torch's DDP gives
 scripts (its settings in bytes, ``require_forward_param_sync``, ``_register_fused_optim``,
 ``_get_data_parallel_params``, a hook's annotations checked, ``_update_process_group`` refused,
-``process_group`` the same object, let go of once destroyed).
+``process_group`` the same object, let go of once destroyed, buffer communication hooks and
+``_sync_buffers()``, ``_set_ddp_sink_clone``, ``model.logger``).
 The CPU tests' two-rank scenarios share one launch of the ranks
 (``launched``): starting ranks costs more than most scenarios.
 """
@@ -792,6 +793,215 @@ def test_hook_annotations_refused_as_torch_refuses_them_and_strings_resolved(lau
                 torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=case)
 
 
+class _CountingNet(nn.Module):
+    """A BatchNorm and a counter buffer: what a buffer hook sums or averages instead of rank 0's copy."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return self.norm(self.lin(x))
+
+
+def _all_reduce_buffers(model, named_buffers, return_futures):
+    futures = [dist.all_reduce(b, group=model.process_group, async_op=True).get_future()
+               for b in named_buffers.values()]
+    if return_futures:
+        return futures
+    torch.futures.collect_all(futures).wait()
+
+
+def _broadcast_through_default(model, named_buffers):
+    model._default_broadcast_coalesced(list(named_buffers.values()))
+
+
+def _buffer_hooks_beside_torch(rank, world):
+    import functools
+
+    import fusedist
+    from torch.nn.parallel.distributed import _BufferCommHookLocation as Location
+
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(6 + rank, 4, generator=gen) * (rank + 1) for _ in range(3)]
+    cases = {f"all-reduce {where.name} futures={futures}": (
+        functools.partial(_all_reduce_buffers, return_futures=futures), where)
+        for where in (Location.PRE_FORWARD, Location.POST_FORWARD) for futures in (False, True)}
+    cases["default broadcast"] = (_broadcast_through_default, Location.POST_FORWARD)
+    cases["no hook"] = (None, None)
+    results = {}
+    for case, (hook, where) in cases.items():
+        for name, cls in (("torch", nn.parallel.DistributedDataParallel),
+                          ("fusedist", fusedist.DistributedDataParallel)):
+            model = cls(_CountingNet())
+            if hook is not None:
+                model._register_buffer_comm_hook(model, hook, where)
+            seen = []
+            for x in batches[:2]:
+                out = model(x)
+                seen.append([b.clone() for b in model.module.buffers()])
+                out.square().sum().backward()
+            model.module.seen += rank  # ranks differ; torch's way to synchronize outside a forward
+            model._sync_buffers()
+            seen.append([b.clone() for b in model.module.buffers()])
+            seen.append(sorted(model.named_module_buffers))
+            seen.append([p.grad.clone() for p in model.parameters()])
+            results[case, name] = seen
+    model = fusedist.DistributedDataParallel(_CountingNet())
+    try:
+        model._register_buffer_comm_hook(model, "not a hook")
+    except TypeError as exc:
+        results["not callable"] = str(exc)
+    model._register_buffer_comm_hook(model, _broadcast_through_default)
+    try:
+        with model.join():
+            model(batches[0])
+    except RuntimeError as exc:
+        results["in join"] = str(exc)
+    return results
+
+
+def test_buffer_comm_hooks_and_sync_buffers_as_torch_ddp(launched):
+    """``_register_buffer_comm_hook``: an all-reduce of the buffers before or after the forward
+    (waited in the hook or returned as futures), a broadcast through ``_default_broadcast_coalesced``,
+    and ``_sync_buffers()`` outside a forward leave the buffers and gradients torch DDP's leave
+    (before: AttributeError). Refused by name: a hook that is not callable, a hook under join()."""
+    for res in results_of(launched, "buffer hooks"):
+        cases = {key[0] for key in res if isinstance(key, tuple)}
+        assert len(cases) == 6, cases
+        for case in cases:
+            # (torch waits for a hook's returned all-reduces at the end of the backward: the buffers
+            # read after its forward are still being written, and a PRE_FORWARD hook's race with the
+            # forward, as its docs warn; fusedist waits as the hook returns, as a hook that waits)
+            ref_case = case.replace("futures=True", "futures=False")
+            theirs, ours = res[ref_case, "torch"], res[case, "fusedist"]
+            assert ours[3] == theirs[3] == ["norm.num_batches_tracked", "norm.running_mean", "norm.running_var",
+                                            "seen"], case
+            for step, (mine, ref) in enumerate(zip(ours[:3] + ours[4:], theirs[:3] + theirs[4:])):
+                for a, b in zip(mine, ref):
+                    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{case}, step {step}")
+        assert "the hook must be callable, got str" in res["not callable"]
+        assert "does not run inside join()" in res["in join"] and "_register_buffer_comm_hook" in res["in join"]
+
+
+def _sink_clone_and_logger(rank, world):
+    import fusedist
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    results = {}
+    for name, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        grads = []
+        for clone in (True, False):
+            torch.manual_seed(0)
+            model = cls(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), find_unused_parameters=True)
+            model._set_ddp_sink_clone(clone)
+            out = model(x)
+            try:
+                out.mul_(2)  # in place on the output: torch's sink clones it unless told not to
+            except RuntimeError as exc:  # (torch without the clone: its sink's output is a view)
+                grads.append(str(exc))
+                continue
+            out.sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        logger = model.logger
+        before, whole = logger._get_ddp_logging_data(), model._get_ddp_logging_data()
+        logger.set_error_and_log("diverged at step 3")
+        logger._set_comm_hook_name("my_hook")
+        logger._set_uneven_input_join()
+        logger.set_runtime_stats_and_log()
+        after = model._get_ddp_logging_data()
+        results[name] = dict(
+            grads=grads, clone=model._ddp_sink_clone,
+            maps=({**before.strs_map, **before.ints_map} == whole, type(before.ints_map).__name__,
+                  before.strs_map.get("module_name"), before.ints_map.get("world_size")),
+            recorded={k: after.get(k) for k in ("has_error", "error", "comm_hook", "join_uneven_inputs")})
+        if name == "fusedist":
+            try:
+                logger.set_construction_data_and_log("Linear", [], -1, True, False, False)
+            except RuntimeError as exc:
+                results["construction data"] = str(exc)
+    return results
+
+
+def test_sink_clone_setting_and_the_logger_as_torch_ddps(launched):
+    """``_set_ddp_sink_clone`` is taken (fusedist never copies the outputs: an in-place change of
+    the output trains as torch's with its clone, also where torch's without it refuses the change)
+    and ``model.logger`` splits the logging data into ``strs_map``/``ints_map`` and records an
+    error, a hook's name and a join as torch's logger does (before: AttributeError for both);
+    ``set_construction_data_and_log`` is refused by name."""
+    for res in results_of(launched, "sink clone, logger"):
+        theirs, ours = res["torch"], res["fusedist"]
+        assert "is a view and is being modified inplace" in theirs["grads"][1]
+        for mine in ours["grads"]:  # with or without the setting, as torch's with its clone
+            for a, b in zip(mine, theirs["grads"][0]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert ours["clone"] is theirs["clone"] is False
+        assert ours["maps"] == theirs["maps"] == (True, "dict", "Sequential", 2)
+        assert ours["recorded"] == theirs["recorded"] == dict(
+            has_error=1, error="diverged at step 3", comm_hook="my_hook", join_uneven_inputs=1)
+        assert "set_construction_data_and_log is not supported" in res["construction data"]
+
+
+def _gradient_handles(model, batches) -> dict:
+    """What code holding ``p.grad`` tensors sees: one kept across ``zero_grad()`` (set to None),
+    one assigned by hand before a backward, ``detach_()`` on a gradient."""
+    p = model.module[0].weight
+    seen = {}
+    for _ in range(3):  # (past torch's bucket rebuild, which gives new storage once)
+        model.zero_grad()
+        model(batches[0]).sum().backward()
+    kept, before = p.grad, p.grad.clone()
+    model.zero_grad()
+    model(batches[1]).sum().backward()
+    seen["kept unchanged"] = torch.equal(kept, before)
+    model.zero_grad()
+    mine = torch.zeros_like(p)
+    p.grad = mine
+    model(batches[2]).sum().backward()
+    seen["assigned is the gradient"] = p.grad is mine and torch.equal(mine, p.grad)
+    try:
+        p.grad.detach_()
+        seen["detach_"] = "ok"
+    except RuntimeError as exc:
+        seen["detach_"] = "gradient_as_bucket_view" in str(exc)
+    seen["grads"] = [q.grad.clone() for q in model.parameters()]
+    return seen
+
+
+def _gradient_views_beside_torch(rank, world):
+    import fusedist
+
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(3, 4, generator=gen) for _ in range(3)]
+    results = {}
+    for view in (False, True):
+        for name, cls in (("torch", nn.parallel.DistributedDataParallel),
+                          ("fusedist", fusedist.DistributedDataParallel)):
+            torch.manual_seed(0)
+            model = cls(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), gradient_as_bucket_view=view)
+            results[name, view] = _gradient_handles(model, batches)
+    return results
+
+
+def test_gradient_as_bucket_view_false_keeps_torchs_default_gradient_tensors(launched):
+    """fusedist's default (``gradient_as_bucket_view=True``) is torch's ``True``: a gradient kept
+    across ``zero_grad()`` is overwritten by the next backward, one assigned by hand is replaced by
+    the bucket view, ``detach_()`` is refused. ``gradient_as_bucket_view=False`` gives torch's
+    default: the user's tensors stay theirs."""
+    for res in results_of(launched, "gradient views"):
+        for view in (False, True):
+            theirs, ours = res["torch", view], res["fusedist", view]
+            for a, b in zip(ours.pop("grads"), theirs.pop("grads")):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            assert ours == theirs, (view, ours, theirs)
+        assert res["fusedist", False] == {"kept unchanged": True, "assigned is the gradient": True, "detach_": "ok"}
+        assert res["fusedist", True] == {"kept unchanged": False, "assigned is the gradient": False, "detach_": True}
+
+
 # ---------------------------------------------------------------- the shared launch
 @pytest.fixture(scope="module")
 def launched(request):
@@ -820,6 +1030,10 @@ def launched(request):
             "process group held weakly": (_process_group_held_weakly, ())},
         "test_hook_annotations_refused_as_torch_refuses_them_and_strings_resolved": {
             "hook annotations": (_hook_annotations, ())},
+        "test_buffer_comm_hooks_and_sync_buffers_as_torch_ddp": {"buffer hooks": (_buffer_hooks_beside_torch, ())},
+        "test_sink_clone_setting_and_the_logger_as_torch_ddps": {"sink clone, logger": (_sink_clone_and_logger, ())},
+        "test_gradient_as_bucket_view_false_keeps_torchs_default_gradient_tensors": {
+            "gradient views": (_gradient_views_beside_torch, ())},
         "test_an_ignore_list_that_differs_between_ranks_is_refused_on_every_rank": {
             "ignore lists differ": (_ignore_lists_differ, ())},
     }, 2, timeout=480)

@@ -17,7 +17,8 @@ Note [torch's DDP logging data]
     differently from torch). ``has_sync_bn`` counts torch's SyncBatchNorm and fusedist's. torch's timings
     (``avg_backward_comm_time`` and the like, from its C++ reducer's events) have no
     counterpart in this dict: fusedist times the last synchronized backward in
-    ``model.comm_stats()``.
+    ``model.comm_stats()``. What was recorded through ``model.logger`` (an error, a hook's name)
+    shows too (Note [the model's logger] in ddp_logger.py).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def ddp_logging_data(model) -> dict:
         data["comm_hook"] = model._comm_hook
     if model._joined_once:
         data["join_uneven_inputs"] = 1
+    data.update(model.logger.recorded)  # Note [the model's logger] in ddp_logger.py
     return data
 
 

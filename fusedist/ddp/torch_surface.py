@@ -1,7 +1,7 @@
 """What torch's DDP does around its reducer that scripts rely on: inputs copied to the
 ``device_ids`` GPU, the legacy ``to_kwargs``/``scatter``/``gather`` helpers, parameters and
 buffers marked rank-local, and the private names scripts call (``_register_builtin_comm_hook``,
-``_get_ddp_logging_data``).
+``_get_ddp_logging_data``, ``_set_ddp_sink_clone``).
 A mixin of :class:`~fusedist.ddp.wrapper.DistributedDataParallel`, kept apart from the gradient engine it wraps.
 
 Note [inputs moved to the module's device]
@@ -68,6 +68,7 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from ..comm.released_group import is_alive
 from .arguments import device_attributes
+from .ddp_logger import DDPLogger
 from .logging_data import DEFAULT_SAMPLE_RATE, check_sample_rate, ddp_logging_data
 
 __all__ = ["TorchDDPSurface"]
@@ -87,6 +88,8 @@ class TorchDDPSurface:
         self._synced_forwards = 0  # torch's iteration count (Note [torch's DDP logging data])
         self._logging_sample_rate = DEFAULT_SAMPLE_RATE
         self._joined_once = False
+        self.logger = DDPLogger(self)  # torch's dist.Logger (Note [the model's logger] in ddp_logger.py)
+        self._ddp_sink_clone = True  # torch's; nothing here clones outputs (:meth:`_set_ddp_sink_clone`)
 
     # ------------------------------------------------------------ Note [torch's settings as attributes]
     def _init_torch_settings(self, bucket_cap_mb, bucket_cap_mb_list, mixed_precision,
@@ -172,6 +175,14 @@ class TorchDDPSurface:
         """torch's DDP logging dict: settings, group, environment, buckets (Note [torch's DDP
         logging data] in logging_data.py)."""
         return ddp_logging_data(self)
+
+    def _set_ddp_sink_clone(self, val: bool) -> None:
+        """torch's (private): whether its ``_DDPSink`` clones the forward's output tensors, which torch
+        does so that an in-place change of the output (the loss) is allowed; False saves the copies.
+        Accepted, kept in ``_ddp_sink_clone``: fusedist returns the module's outputs themselves (its
+        backward hooks sit on their autograd nodes), never copies, and in-place changes of them work
+        as on the plain module either way."""
+        self._ddp_sink_clone = bool(val)
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         """torch's: after the first 10 iterations, ``iteration`` is recorded every ``sample_rate``."""

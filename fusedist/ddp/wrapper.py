@@ -22,10 +22,11 @@ from .agreement import LayoutAgreementCheck, check_layout_agrees, check_model_ag
 from .arguments import (buffer_sync_settings, check_device_ids, group_of, module_device,
                         reduce_dtype_from_mixed_precision, refuse_dtensors, refuse_mixed_precision_casts)
 from .buffer_broadcast import BufferBroadcast
+from .buffer_hook import BufferCommHooks
 from .comm_hook import register_builtin_comm_hook, register_comm_hook
 from .compiled_autograd import refuse_compiled_autograd_at_forward
 from .config import DDPConfig, first_bucket_cap
-from .copies import construction_checks, copy_wrapper
+from .copies import construction_checks, copy_wrapper, pickled_wrapper, refuse_shallow_copy
 from .grad_hook import still_in_order
 from .logging_data import bucket_sizes
 from .module_swap import swap_module
@@ -101,7 +102,7 @@ _BOOKKEEPING_RUNS_EAGERLY = (
     "fusedist.DistributedDataParallel(torch.compile(model, fullgraph=True)) (or drop fullgraph=True)")
 
 
-class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, BufferCommHooks, nn.Module, Joinable):
     """Data parallelism with bucketed gradient all-reduce overlapped with backward.
 
     Same use as torch's: wrap the model, call it, ``loss.backward()`` returns averaged
@@ -308,12 +309,12 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
                 "live group")
         return copy_wrapper(self, memo)
 
-    def __getstate__(self):
-        raise TypeError(
-            "fusedist.DistributedDataParallel cannot be pickled (it holds a process group, a communicator "
-            "and gradient hooks): pickle model.module or model.state_dict() instead; copy.deepcopy(model) "
-            "makes a working copy"
-        )
+    def __reduce_ex__(self, protocol):
+        """Note [a pickled wrapper] in copies.py: ``torch.save(model)`` over the default group."""
+        return pickled_wrapper(self)
+
+    def __copy__(self):
+        refuse_shallow_copy(self)
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
@@ -325,6 +326,8 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
         if self._before_forward(compiling):
             return _join.run_module(self, args, kwargs)
         out = self.module(*args, **kwargs)
+        if self._buffer_hook_due:
+            self._buffer_hook_after_forward()  # (POST_FORWARD: Note [a buffer communication hook] in buffer_hook.py)
         if not compiling and torch.is_grad_enabled():
             before = RemovableHandle.next_id
             arm_again_through(self.reducer, out, sync=self._no_sync_depth == 0)
@@ -358,6 +361,7 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
             if traced:
                 self._sparse.refuse_compiled(self.rank)
         if self._join_config.enable and torch.is_grad_enabled():
+            self._refuse_buffer_hook_in_join()
             _join.before_forward(self)  # uneven inputs (Note [joined ranks] in join.py)
             self._wait_for_params(traced)
             return True
@@ -371,12 +375,14 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, nn.Module, Joina
             self.reducer.check_previous_backward()  # Note [interrupted backward]
             # Before this step's first collective (observers read the last step's checks).
             self.reducer.prepare_forward(sync=self._no_sync_depth == 0)
+        if self._buffer_hook_due:  # (left by a forward whose module raised)
+            self._buffer_hook_due = False
         tree_checked = sync_buffers and self.config.broadcast_buffers
         if tree_checked:
             self.reducer.tracker.find_inserted()  # their buffers too (Note [submodules inserted into a container])
             buffers = self._module_buffers()
             if buffers:
-                self._broadcast_coalesced(buffers, tag="ddp buffers")
+                self._sync_buffers_at_forward(buffers)  # Note [a buffer communication hook] in buffer_hook.py
         if grad:
             self.reducer.tracker.observe(self.reducer, tree_checked)  # Note [trainable set changes]
         self._wait_for_params(traced)

@@ -24,6 +24,10 @@ owning nothing), in one launch of the ranks.
   The refusal of a stage-2 subset names torch's two-call recipe (a subset, then ``add_param_group``
   with the rest), which stage 2 cannot take, and says to pass the parts as param groups to the
   constructor; the optimizer built that way trains as torch's AdamW with the same two groups.
+* Break-it probes against torch's AdamW: a group added after steps, LambdaLR / OneCycleLR over a
+  tensor lr, requires_grad toggled after the first step, a parameter without a gradient on some
+  steps, ranks with empty shards, a consolidated state dict saved at world 2 and loaded at world 3,
+  and ``named_parameters()`` (``param_names`` in the state dict as torch writes them).
 
 Tolerance: at most 8 AdamW/SGD steps on parameters of magnitude ~0.5, fp32: the two sides
 differ only in gradient summation order and batching of elementwise updates (measured <= 1e-7);
@@ -360,6 +364,166 @@ def _stage2_subset_on_one_rank(rank, world, seed):
     return {"errors": errors, "diffs": diffs}
 
 
+def _probe_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def _one_element(seed):
+    torch.manual_seed(seed)
+    return nn.Linear(1, 1, bias=False)
+
+
+def _probe_run(seed, build, before=None, after=None, model=_probe_model, width=4, set_to_none=True, steps=4):
+    """The parameters after ``steps`` steps of the optimizer ``build(model)`` makes, every rank with
+    the same batches (what averaged gradients are: no DDP model needed); ``before`` / ``after(step,
+    model, optimizer)`` are called before and after each step's backward."""
+    m = model(seed)
+    opt = build(m)
+    for step in range(steps):
+        if before is not None:
+            before(step, m, opt)
+        g = torch.Generator().manual_seed(seed * 31 + step)
+        m(torch.randn(5, width, generator=g)).square().sum().backward()
+        if after is not None:
+            after(step, m, opt)
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def _break_it_probes(rank, world, seed):
+    """Each probe trains fusedist's optimizer and torch.optim.AdamW alike; the result is the largest
+    parameter difference (or the error raised)."""
+    import fusedist
+
+    def zero(params, **kw):
+        return fusedist.ZeroRedundancyOptimizer(params, torch.optim.AdamW, **kw)
+
+    def adamw(params, **kw):
+        return torch.optim.AdamW(params, **kw)
+
+    def plain(**kw):
+        return lambda make: lambda m: make(m.parameters(), **{"lr": 0.1, **kw})
+
+    def scheduled(make_sched):
+        def build(make):
+            def built(m):
+                opt = make(m.parameters(), lr=torch.tensor(0.1))  # a tensor lr, as torch.compile setups use
+                opt.sched = make_sched(opt)
+                return opt
+            return built
+        return {"build": build, "before": lambda step, m, opt: opt.sched.step() if step else None}
+
+    def add_after_steps(step, m, opt):
+        if step == 2:
+            opt.add_param_group({"params": list(m[2].parameters()), "lr": torch.tensor(0.05)})
+
+    def toggle(step, m, opt):
+        m[0].weight.requires_grad_(step not in (1, 2))
+
+    def drop_head_grad(step, m, opt):
+        if step % 2:
+            m[2].weight.grad = None
+
+    probes = {
+        "add_param_group after steps": {"build": lambda make: lambda m: make(list(m[0].parameters()), lr=0.1),
+                                        "after": add_after_steps},
+        "LambdaLR, tensor lr": scheduled(lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda e: 0.5 ** e)),
+        "OneCycleLR, tensor lr": scheduled(
+            lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10)),
+        "requires_grad off and on after the first step": {"build": plain(weight_decay=0.1), "before": toggle},
+        "requires_grad off and on, zero_grad(set_to_none=False)": {
+            "build": plain(weight_decay=0.1), "before": toggle, "set_to_none": False},
+        "no gradient on some steps, zero_grad(set_to_none=False)": {
+            "build": plain(weight_decay=0.1), "after": drop_head_grad, "set_to_none": False},
+        "ranks with empty shards": {"build": plain(), "model": _one_element,
+                                    "width": 1},
+    }
+    out = {}
+    for name, probe in probes.items():
+        kw = {k: v for k, v in probe.items() if k != "build"}
+        try:
+            got = _probe_run(seed, probe["build"](zero), **kw)
+            want = _probe_run(seed, probe["build"](adamw), **kw)
+            out[name] = max(float((a - b).abs().max()) for a, b in zip(got, want))
+        except Exception as exc:  # noqa: BLE001 - the test names the probe that raised
+            out[name] = f"{type(exc).__name__}: {exc}"
+    out["saved at world 2, loaded at world 3"] = _saved_at_two_loaded_at_three(rank, world, seed)
+    out["named parameters"] = _named_parameters_as_torch(rank, world, seed)
+    return out
+
+
+def _saved_at_two_loaded_at_three(rank, world, seed):
+    """consolidate_state_dict at world 2 (a group of ranks 0 and 1), loaded by every rank of world 3."""
+    import fusedist
+
+    pair = torch.distributed.new_group([0, 1])
+    box = [None]
+    if rank < 2:
+        m = _probe_model(seed)
+        opt = fusedist.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, process_group=pair, lr=0.1)
+        for step in range(2):
+            m(torch.randn(5, 4, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.consolidate_state_dict(to=0)
+        if rank == 0:
+            box = [(opt.state_dict(), m.state_dict())]
+    torch.distributed.broadcast_object_list(box, 0)
+    runs = []
+    for sharded in (True, False):
+        m = _probe_model(seed)
+        if sharded:
+            m.load_state_dict(box[0][1])
+            opt = fusedist.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, lr=0.1)
+            opt.load_state_dict(box[0][0])
+        else:
+            opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        for step in range(2 if sharded else 0, 4):
+            m(torch.randn(5, 4, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in m.parameters()])
+    return max(float((a - b).abs().max()) for a, b in zip(*runs))
+
+
+def _named_parameters_as_torch(rank, world, seed):
+    """Given ``named_parameters()`` (two groups), as torch.optim.AdamW: the consolidated state dict's
+    groups (``param_names``) and state, loaded both ways."""
+    import fusedist
+
+    def groups(m):
+        return [{"params": list(m[0].named_parameters(prefix="0")), "lr": 0.05},
+                {"params": list(m[2].named_parameters(prefix="2"))}]
+
+    ours, ref = _probe_model(seed), _probe_model(seed)
+    zopt = fusedist.ZeroRedundancyOptimizer(groups(ours), torch.optim.AdamW, lr=0.1)
+    ropt = torch.optim.AdamW(groups(ref), lr=0.1)
+    for step in range(2):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ours, zopt), (ref, ropt)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    zopt.consolidate_state_dict(to=0)
+    box = [zopt.state_dict() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, 0)
+    full, want = box[0], ropt.state_dict()
+    fresh = torch.optim.AdamW(groups(_probe_model(seed)), lr=0.1)
+    fresh.load_state_dict(full)  # torch's loader pairs the states by param_names
+    back = fusedist.ZeroRedundancyOptimizer(groups(_probe_model(seed)), torch.optim.AdamW, lr=0.1)
+    back.load_state_dict(want)
+    back.consolidate_state_dict(to=0)
+    again = [back.state_dict() if rank == 0 else None]
+    torch.distributed.broadcast_object_list(again, 0)
+    return {"groups": (full["param_groups"], want["param_groups"]),
+            "state": max(float((full["state"][i][k] - want["state"][i][k]).abs().max())
+                         for i in want["state"] for k in want["state"][i]),
+            "round trip": again[0]["param_groups"] == want["param_groups"],
+            "params": max_param_diff(ours, ref)}
+
+
 SCENARIOS = {
     "test_training_matches_torch_with_schedulers_edits_and_clipping": {
         f"train stage {stage} ddp {ddp}": (_training, (SEED, stage, ddp)) for stage, ddp in ((2, True), (1, False))},
@@ -367,6 +531,7 @@ SCENARIOS = {
     "test_state_dicts_traded_with_torch_zero": {"torch zero": (_with_torch_zero, (SEED + 2,))},
     "test_ranks_owning_nothing": {
         f"owning nothing stage {stage}": (_ranks_owning_nothing, (SEED + 3, stage)) for stage in (1, 2)},
+    "test_break_it_probes_match_torch_adamw": {"break it": (_break_it_probes, (SEED + 6,))},
     # last: a regression here desynchronizes the ranks for whatever would follow
     "test_added_group_differing_across_ranks_is_refused_on_every_rank": {
         f"added group differs ddp {ddp}": (_added_group_differs, (SEED + 4, ddp)) for ddp in (False, True)},
@@ -446,3 +611,21 @@ def test_stage2_subset_on_one_rank_is_refused_on_every_rank(launched):
         assert one is not None and one.startswith("RankMismatchError"), f"rank {rank}: {one}"
         assert f"this is rank {rank}" in one and "parameter list given to ZeroRedundancyOptimizer" in one, one
         assert max(got["diffs"]) <= TOL, f"rank {rank} seed {SEED + 5}: {got['diffs']}"
+
+
+def test_break_it_probes_match_torch_adamw(launched):
+    """What users do to torch's optimizers mid-run, each against torch.optim.AdamW on the same
+    gradients: a group added after steps, LambdaLR / OneCycleLR over a tensor lr, requires_grad
+    turned off and on after the first step, a parameter without a gradient on some steps next to
+    zero_grad(set_to_none=False) (torch steps a zero gradient: its moments decay), a model of one
+    element (two of three ranks hold empty shards), a consolidated state dict saved at world 2 and
+    loaded at world 3; and ``named_parameters()`` given as to torch's optimizers (the groups'
+    ``param_names`` in the state dict as torch writes them, loaded both ways)."""
+    for rank, out in enumerate(results_of(launched, "break it")):
+        named = out.pop("named parameters")
+        for name, diff in out.items():
+            assert isinstance(diff, float) and diff <= TOL, f"rank {rank} seed {SEED + 6}: {name}: {diff}"
+        full, want = named["groups"]
+        assert full == want, (rank, full, want)
+        assert [g["param_names"] for g in full] == [["0.weight", "0.bias"], ["2.weight", "2.bias"]], full
+        assert named["state"] <= 1e-6 and named["params"] <= TOL and named["round trip"], (rank, named)

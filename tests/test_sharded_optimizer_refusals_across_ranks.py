@@ -194,6 +194,37 @@ def _dropped_wrapper(rank, world, seed):
     return errors
 
 
+def _named_by_module_path(rank, world, seed):
+    """Errors about parameters given as ``model.parameters()`` (no names) whose model the optimizer
+    can find -- a subset of a fusedist DDP model (a step, a load, the constructor), a ``fully_shard``
+    model -- and about named_parameters() that differ across ranks."""
+    import fusedist
+
+    torch.manual_seed(seed)
+    errors = {}
+    net = _net()
+    ddp = fusedist.DistributedDataParallel(net)
+    net[2].bias.requires_grad_(False)
+    head = fusedist.ZeroRedundancyOptimizer(list(net[2].parameters()), torch.optim.AdamW, lr=0.01)
+    net[2].bias.grad = torch.ones(3)  # a frozen parameter with a gradient: refused at the step
+    ddp(torch.randn(4, 5)).sum().backward()
+    errors["frozen with a gradient"] = models.raised(head.step)
+    groups = torch.optim.AdamW(list(net[2].parameters()), lr=0.01).state_dict()["param_groups"]
+    moments = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(5), "exp_avg_sq": torch.zeros(5)}
+    errors["state of another size"] = models.raised(lambda: head.load_state_dict(
+        {"state": {0: moments}, "param_groups": groups}))
+    errors["twice"] = models.raised(lambda: fusedist.ZeroRedundancyOptimizer(
+        list(net[0].parameters()) + [net[0].weight], torch.optim.AdamW, lr=0.01))
+    sharded = _net()
+    fusedist.fully_shard(sharded)
+    errors["fully_shard"] = models.raised(lambda: fusedist.ZeroRedundancyOptimizer(
+        sharded.parameters(), torch.optim.AdamW, lr=0.01))
+    other = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3 + rank))  # the head differs on rank 1
+    errors["named differ"] = models.raised(lambda: fusedist.ZeroRedundancyOptimizer(
+        other.named_parameters(), torch.optim.AdamW, lr=0.01))
+    return errors
+
+
 SCENARIOS = {
     "test_construction_refused_on_one_rank_fails_every_rank_at_once": {
         "constructed": (_constructed_on_one_rank, (SEED,))},
@@ -203,6 +234,8 @@ SCENARIOS = {
         "unaveraged": (_gradients_nobody_averaged, (SEED + 2,))},
     "test_a_dropped_wrapper_is_refused_saying_to_keep_a_reference": {
         "dropped wrapper": (_dropped_wrapper, (SEED + 3,))},
+    "test_errors_name_parameters_by_their_module_path": {
+        "named by path": (_named_by_module_path, (SEED + 4,))},
 }
 
 
@@ -294,3 +327,26 @@ def test_a_dropped_wrapper_is_refused_saying_to_keep_a_reference(launched):
         assert stage1.endswith(
             "The fusedist.DistributedDataParallel wrapper of these parameters was dropped: nothing kept a reference "
             f"to it, so it was freed and its backward hooks, which average the gradients, came off. {keep}."), stage1
+
+
+def test_errors_name_parameters_by_their_module_path(launched):
+    """Note [naming a parameter given without its name] in fusedist/zero/param_labels.py: given
+    ``model.parameters()``, errors named a parameter by its index in the optimizer's list only (and
+    a ``fully_shard`` model's pieces, another shape on each rank, were refused as parameter lists
+    that differ across ranks); now by its path in the DDP or ``fully_shard`` model, or by the
+    name given with ``named_parameters()``."""
+    for rank, errors in enumerate(results_of(launched, "named by path")):
+        assert errors["frozen with a gradient"].startswith(
+            "RuntimeError: ZeroRedundancyOptimizer: parameter 1 ('2.bias', shape (3,)) has a gradient, but it is "
+            "not sharded"), errors
+        assert ("state 'exp_avg' of parameter 0 ('2.weight', shape (3, 7)) has 5 elements, the parameter has 21"
+                in errors["state of another size"]), errors
+        assert ("parameter 2 ('0.weight', shape (7, 5)) in param group 0 is the same tensor as parameter 0 "
+                "('0.weight', shape (7, 5))") in errors["twice"], errors
+        assert errors["fully_shard"].startswith(
+            "ValueError: ZeroRedundancyOptimizer: parameter 0 ('0.weight') belongs to a fully_shard model, whose "
+            "parameters are already sharded"), errors
+        differ = errors["named differ"]
+        assert differ.startswith("RankMismatchError") and f"this is rank {rank}" in differ, differ
+        assert ("ranks [0]: parameter 2 ('2.weight') (param group 0) shape (3, 7) float32 on cpu; "
+                "ranks [1]: parameter 2 ('2.weight') (param group 0) shape (4, 7) float32 on cpu") in differ, differ

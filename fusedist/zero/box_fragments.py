@@ -55,11 +55,11 @@ def region_of(fragment: dict, shape: tuple) -> tuple:
     return tuple((start, length) if d == dim else (0, size) for d, size in enumerate(shape))
 
 
-def _check_tiling(frags: list, shape: tuple, index: int, source: str) -> None:
+def _check_tiling(frags: list, shape: tuple, which: str, source: str) -> None:
     """Refuses boxes (sorted by start) on several dims, or not covering their dim exactly once."""
     dims = sorted({int(f["box"][0]) for f in frags})
     if len(dims) != 1 or not 0 <= dims[0] < len(shape):
-        raise StateDictError(f"{source}: the box fragments of parameter {index} (shape {shape}) split dims {dims}")
+        raise StateDictError(f"{source}: the box fragments of {which} split dims {dims}")
     dim, cursor = dims[0], 0
     for f in frags:
         _, start, length = f["box"]
@@ -68,15 +68,15 @@ def _check_tiling(frags: list, shape: tuple, index: int, source: str) -> None:
         cursor += length
     if cursor != shape[dim] or sum(f["box"][2] for f in frags) != shape[dim]:
         raise StateDictError(
-            f"{source}: the box fragments of parameter {index} (shape {shape}) cover "
+            f"{source}: the box fragments of {which} cover "
             f"{[tuple(f['box'][1:]) for f in frags]} of dim {dim}, not exactly [0, {shape[dim]}) once; shards are "
             "missing or come from different checkpoints")
 
 
-def _check_regions(regions: list, shape: tuple, index: int, source: str) -> None:
+def _check_regions(regions: list, shape: tuple, which: str, source: str) -> None:
     """Refuses regions that do not tile ``shape`` exactly once (Note [region fragments])."""
     def bad(why: str) -> StateDictError:
-        return StateDictError(f"{source}: the region fragments of parameter {index} (shape {shape}) {why}; "
+        return StateDictError(f"{source}: the region fragments of {which} {why}; "
                               "shards are missing or come from different checkpoints")
 
     for r in regions:
@@ -92,45 +92,46 @@ def _check_regions(regions: list, shape: tuple, index: int, source: str) -> None
         raise bad(f"cover {volume} of its {math.prod(shape)} elements")
 
 
-def _place(values: list, shape: tuple, regions: list, what: str, index: int, source: str) -> torch.Tensor:
+def _place(values: list, shape: tuple, regions: list, what: str, which: str, source: str) -> torch.Tensor:
     """The whole parameter's flat tensor with each region's ``values`` in its place."""
     whole = torch.empty(shape, dtype=values[0].dtype)
     for region, v in zip(regions, values):
         block = whole[tuple(slice(s, s + n) for s, n in region)]
         if not isinstance(v, torch.Tensor) or v.numel() != block.numel():
-            raise StateDictError(f"{source}: {what} of parameter {index} is inconsistent across shards")
+            raise StateDictError(f"{source}: {what} of {which} is inconsistent across shards")
         block.copy_(v.reshape(block.shape))
     return whole.view(-1)
 
 
-def assemble_boxes(frags: list, shape: tuple, index: int, *, source: str) -> dict:
-    """``{"master", "state"}`` of parameter ``index`` (whole, flat) from its box or region fragments."""
+def assemble_boxes(frags: list, shape: tuple, which: str, *, source: str) -> dict:
+    """``{"master", "state"}`` of a parameter (whole, flat) from its box or region fragments; ``which``
+    names it in errors (``parameter <index> (shape ...)``, with its name where known)."""
     shape = tuple(int(s) for s in shape)
     if not all(is_box(f) for f in frags):
-        raise StateDictError(f"{source}: parameter {index} (shape {shape}) has both box and range fragments; "
+        raise StateDictError(f"{source}: {which} has both box and range fragments; "
                              "shards come from different checkpoints")
     if all("box" in f for f in frags):
         frags = sorted(frags, key=lambda f: f["box"][1])
-        _check_tiling(frags, shape, index, source)
+        _check_tiling(frags, shape, which, source)
         regions = [region_of(f, shape) for f in frags]
     else:
         regions = [region_of(f, shape) for f in frags]
-        _check_regions(regions, shape, index, source)
+        _check_regions(regions, shape, which, source)
     keys = set(frags[0]["state"])
     has_master = frags[0]["master"] is not None
     for f in frags:
         if set(f["state"]) != keys or (f["master"] is not None) != has_master:
-            raise StateDictError(f"{source}: shards of parameter {index} hold different state keys")
+            raise StateDictError(f"{source}: shards of {which} hold different state keys")
     state: dict = {}
     for key in keys:
         first = frags[0]["state"][key]
         if isinstance(first, torch.Tensor) and first.dim() > 0:
-            state[key] = _place([f["state"][key] for f in frags], shape, regions, f"state '{key}'", index, source)
+            state[key] = _place([f["state"][key] for f in frags], shape, regions, f"state '{key}'", which, source)
             continue
         for f in frags[1:]:
             if not torch.equal(torch.as_tensor(f["state"][key]), torch.as_tensor(first)):
-                raise StateDictError(f"{source}: scalar state '{key}' of parameter {index} differs across shards "
+                raise StateDictError(f"{source}: scalar state '{key}' of {which} differs across shards "
                                      f"({first!r} vs {f['state'][key]!r})")
         state[key] = first
-    master = _place([f["master"] for f in frags], shape, regions, "master", index, source) if has_master else None
+    master = _place([f["master"] for f in frags], shape, regions, "master", which, source) if has_master else None
     return {"master": master, "state": state}

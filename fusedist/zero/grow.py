@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from ..ddp.layout import append_buckets
 from ..ownership import register_gradient_holder
-from . import deferred_stage2, param_checks, trainable_check
+from . import deferred_stage2, param_checks, param_labels, trainable_check
 from . import state as zstate
 from .offload import check_offload_config
 from .shard_store import ShardStore, bucket_grad_slice
@@ -235,7 +235,8 @@ def _grow(zero, buckets: list) -> None:
     sharded = sorted({index_of[p] for b in buckets for p in b.params})
     joined = sorted(set(sharded) - set(zero._trainable))
     if zero._offload is not None:  # what the host Adam cannot step is refused before anything changes
-        check_offload_config(zero.optimizer_class, {i: zero._params[i] for i in joined})
+        check_offload_config(zero.optimizer_class, {i: zero._params[i] for i in joined},
+                             lambda i: param_labels.named(zero, i))
     _set_sharded(zero, sharded)
     part = FlatPartition(buckets, zero._params, zero._group_of, zero.rank, zero.world_size, sharded=sharded)
     part.keep_pieces_of(old)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from .. import _extension
-from . import trainable_check
+from . import param_labels, trainable_check
 
 OFFLOAD_CHOICES = (None, "none", "cpu")
 HOST_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
@@ -88,9 +88,10 @@ def check_offload_isa(zero) -> None:
     check_isa_on_every_rank(zero.comm, zero._device, "ZeroRedundancyOptimizer(offload='cpu')")
 
 
-def check_offload_config(optimizer_class, params: dict) -> None:
+def check_offload_config(optimizer_class, params: dict, name=None) -> None:
     """Raise a clear error for anything ``offload="cpu"`` cannot run. ``params``: each trainable
-    parameter by its index in the optimizer's parameters (the index the error names)."""
+    parameter by its index in the optimizer's parameters (the index the error names); ``name(index)``:
+    its name in the error after the dtype (:func:`param_labels.named`), or nothing."""
     supported = supported_optimizer_classes()
     if optimizer_class not in supported:
         names = ", ".join(f"{c.__module__}.{c.__name__}" for c in supported)
@@ -105,7 +106,8 @@ def check_offload_config(optimizer_class, params: dict) -> None:
                       "one has no host format that keeps its precision: shard it with offload=None (on the "
                       "device, stepped as torch's Adam steps it)" if p.is_complex() else "")
             raise TypeError(
-                f"ZeroRedundancyOptimizer(offload='cpu'): parameter {i} has dtype {p.dtype}; the host Adam "
+                f"ZeroRedundancyOptimizer(offload='cpu'): parameter {i} has dtype {p.dtype}{name(i) if name else ''}; "
+                "the host Adam "
                 f"supports float32, bfloat16, float16 and complex64 parameters (FP32 masters){advice}"
             )
     _extension.require("_cpu_ops")  # raises the build failure and how to rebuild
@@ -184,7 +186,8 @@ class HostShardOffload:
         # Parameters that joined since construction (unfrozen, ``add_param_group``) are checked
         # here, before any update: a float64 one failed in the kernel call after the buckets
         # before it had been stepped, so every failed step changed the parameters.
-        check_offload_config(zero.optimizer_class, {i: zero._params[i] for i in zero._trainable})
+        check_offload_config(zero.optimizer_class, {i: zero._params[i] for i in zero._trainable},
+                             lambda i: param_labels.named(zero, i))
         self.zero = zero
         part = zero._partition
         device = zero._device

@@ -36,7 +36,8 @@ from torch.optim import Optimizer
 
 from .._rank import this_rank
 from ..optim.elementwise import check_elementwise
-from . import copies, deferred_stage2, grad_agreement, grad_sync, grow, param_checks, step_flag, step_refusals, wiring
+from . import copies, deferred_stage2, grad_agreement, grad_sync, grow, param_checks, param_labels, step_flag
+from . import step_refusals, wiring
 from . import state as zstate
 from .empty_params import EmptyParams
 from .eager import eager_step
@@ -295,31 +296,15 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             for k, v in probe.defaults.items():
                 self.defaults.setdefault(k, v)
 
-    def _param_shape(self, index: int) -> str:
-        """``parameter <index> (shape ...)``: for errors raised before the DDP model is known."""
-        return f"parameter {index} (shape {tuple(self._params[index].shape)})"
-
     def _trainable_params(self) -> list:
         return [self._params[i] for i in self._trainable]
 
     def _param_name(self, index: int) -> str:
-        """``parameter <index> ('<name in the DDP model>', shape ...)`` for error messages: the
-        name as the model's own code spells it (without torch.compile's ``_orig_mod.``), or as given
-        with the parameters (``model.named_parameters()``)."""
-        from ..checkpoint._names import canonical_key
-
-        p = self._params[index]
-        name = None
-        if self.ddp is not None:
-            module = self.ddp.module
-            name = next((canonical_key(module, n) for n, q in module.named_parameters() if q is p), None)
-        if name is None:  # given as named parameters (torch's optimizers keep their names in the groups)
-            group = self.param_groups[self._group_of[index]]
-            names = group.get("param_names")
-            if names is not None and len(names) == len(group["params"]):
-                name = names[index - self._group_of.index(self._group_of[index])]
-        label = f"parameter {index}" + (f" ('{name}'" if name else " (")
-        return f"{label}{', ' if name else ''}shape {tuple(p.shape)})"
+        """``parameter <index> ('<name>', shape ...)`` for error messages: the name as the model's own
+        code spells it (without torch.compile's ``_orig_mod.``), found in the DDP or ``fully_shard``
+        model holding the parameter, or as given with it (``model.named_parameters()``; Note [naming
+        a parameter given without its name] in param_labels.py)."""
+        return param_labels.describe(self, index)
 
     def _on_layout_change(self, layout) -> None:
         """DDP's layout listener."""

@@ -38,7 +38,7 @@ import torch
 
 from .._consistency import gather_objects, raise_if_different
 from ..ddp.layout import slot_order
-from . import hyper_checks
+from . import hyper_checks, param_labels
 
 
 # Note [refusals of one rank's own arguments]
@@ -93,18 +93,29 @@ def own_refusal(zero, groups=None, params=None, first: int = 0, op: str = "ZeroR
 
     try:
         everything = zero._params if params is None else zero._params + list(params)
-        check_distinct(everything, zero._group_of + [len(zero.param_groups) - 1] * (len(everything) - len(
-            zero._group_of)), lambda i: f"parameter {i} (shape {tuple(everything[i].shape)})", first=first)
+        group_of = zero._group_of + [len(zero.param_groups) - 1] * (len(everything) - len(zero._group_of))
+
+        def name(i):  # Note [naming a parameter given without its name] in param_labels.py
+            return param_labels.describe(zero, i, everything, group_of)
+
+        def short(i):
+            return param_labels.short(zero, i, everything, group_of)
+
+        def named(i):
+            return param_labels.named(zero, i, everything, group_of)
+
+        check_distinct(everything, group_of, name, first=first)
         trainable = {i: p for i, p in enumerate(everything) if i >= first and p.requires_grad}
         for i, p in trainable.items():
             if not (p.is_floating_point() or p.is_complex()):
-                raise TypeError(f"{op}: parameter {i} has dtype {p.dtype}; only floating-point and complex "
+                raise TypeError(f"{op}: parameter {i} has dtype {p.dtype}{named(i)}; only floating-point and complex "
                                 "parameters can be sharded")
-        _check_one_device(zero, trainable, op)
+        _refuse_fully_sharded(trainable, op)
+        _check_one_device(zero, trainable, op, name, short)
         zero._fill_group_defaults()
         if zero.offload:
             if groups is None:  # (a joining parameter's dtype is checked when it joins, Note [growing ...])
-                check_offload_config(zero.optimizer_class, trainable)
+                check_offload_config(zero.optimizer_class, trainable, named)
             for gi in range(len(zero.param_groups)) if groups is None else groups:
                 check_offload_group(zero.param_groups[gi], gi, constructing=True)
     except Exception as exc:  # noqa: BLE001 - raised as it is, once the ranks have compared
@@ -112,7 +123,21 @@ def own_refusal(zero, groups=None, params=None, first: int = 0, op: str = "ZeroR
     return None
 
 
-def _check_one_device(zero, trainable: dict, op: str) -> None:
+def _refuse_fully_sharded(trainable: dict, op: str) -> None:
+    """A ``fully_shard`` model's parameters are pieces, already sharded over the ranks (each rank holds
+    another piece, of another shape): the ranks' parameter lists differed, and the comparison said
+    only that, pointing away from the cause."""
+    held = next((i for i, p in trainable.items() if param_labels.fully_shard_holds(p)), None)
+    if held is not None:  # (named without the piece's shape, which differs across ranks: the same error on every rank)
+        raise ValueError(
+            f"{op}: parameter {held} ('{param_labels.module_path(trainable[held])}') belongs to a fully_shard "
+            "model, whose parameters are already sharded over the "
+            "ranks (each rank holds its own piece) and whose optimizer state is sharded with them. Step its "
+            "parameters with an ordinary optimizer (torch.optim.AdamW, fusedist.optim.FusedAdamW); "
+            "ZeroRedundancyOptimizer shards the replicated parameters of a DDP (or unwrapped) model.")
+
+
+def _check_one_device(zero, trainable: dict, op: str, name, short) -> None:
     """The flat buffers, masters and collectives of one optimizer are on one device
     (``zero._device``): a trainable parameter elsewhere (a layer left on the meta device, or on
     another GPU) failed at the first step with a bare copy error, on that rank alone."""
@@ -120,8 +145,8 @@ def _check_one_device(zero, trainable: dict, op: str) -> None:
         if p.device != zero._device:
             j = next((k for k, q in enumerate(zero._params) if q.requires_grad and q.device == zero._device), None)
             raise ValueError(
-                f"{op}: parameter {i} (shape {tuple(p.shape)}) is on {p.device}, "
-                + (f"parameter {j} on {zero._device}" if j is not None else f"the optimizer's on {zero._device}")
+                f"{op}: {name(i)} is on {p.device}, "
+                + (f"{short(j)} on {zero._device}" if j is not None else f"the optimizer's on {zero._device}")
                 + "; one optimizer shards the parameters of one device (its flat buffers and collectives are "
                 "there). Move the model to one device before building it; a parameter on the meta device must be "
                 "materialized first (module.to_empty(device=...) and its initialization)")
@@ -207,8 +232,10 @@ def check_same_params_on_every_rank(zero, params=None, group_of=None, first: int
         return
     params = zero._params if params is None else params
     group_of = zero._group_of if group_of is None else group_of
-    entries = [(first + i, group_of[i], tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad),
-                slot_order(p), p.device.type) for i, p in enumerate(params)]
+    names = param_labels.names_for_exchange(zero, params, group_of)  # for the message only (NamedEntry)
+    entries = [param_labels.NamedEntry((first + i, group_of[i], tuple(p.shape), str(p.dtype).replace("torch.", ""),
+                                        bool(p.requires_grad), slot_order(p), p.device.type, names[i]))
+               for i, p in enumerate(params)]
     if refusal is not None:  # refused on some ranks only: the difference to name first (without the rank)
         reason = re.sub(r"\s*\(rank \d+\)", "", str(refusal)).split(";")[0][:160]
         entries.insert(0, ("refused", type(refusal).__name__, reason))
@@ -216,7 +243,7 @@ def check_same_params_on_every_rank(zero, params=None, group_of=None, first: int
     def label(e):
         if e[0] == "refused":
             return f"this rank's own refusal of its arguments ({e[1]}: {e[2]})"
-        return (f"parameter {e[0]} (param group {e[1]}) shape {e[2]} {e[3]}"
+        return (f"parameter {e[0]}" + (f" ('{e[7]}')" if e[7] else "") + f" (param group {e[1]}) shape {e[2]} {e[3]}"
                 + (f" in the memory order of strides {e[5]}" if e[5] else "")
                 + ("" if e[4] else " requires_grad=False") + f" on {e[6]}")
 

@@ -153,7 +153,7 @@ class ShardedState(HeldByOptimizer):
                 return None
         merged = zstate.merge_fragments(everyone)
         self.consolidated = zstate.assemble(merged, z._params, range(len(z._params)),
-                                             source="consolidate_state_dict", keep_empty=True)
+                                             source="consolidate_state_dict", keep_empty=True, name=z._param_name)
         return zstate.to_torch_format(self.consolidated, z._params, self._group_dicts(),
                                       without_step=self._without_step())
 
@@ -193,7 +193,7 @@ class ShardedState(HeldByOptimizer):
             frags = zstate.merge_fragments(sds)
             groups = sds[0]["param_groups"]
         elif all(isinstance(sd, dict) and "state" in sd and "param_groups" in sd for sd in sds) and len(sds) == 1:
-            frags = zstate.fragments_from_full(sds[0], z._params)
+            frags = zstate.fragments_from_full(sds[0], z._params, z._param_name)
             groups = sds[0]["param_groups"]
         else:
             raise zstate.StateDictError(f"{source}: not a ZeroRedundancyOptimizer or torch optimizer state dict")
@@ -202,7 +202,8 @@ class ShardedState(HeldByOptimizer):
         groups = keep_own_setting({"param_groups": groups}, z)["param_groups"]
         zstate.check_groups(groups, z.param_groups, source)
         # Every parameter is assembled (and so validated) now; the rank keeps its own ranges.
-        assembled = zstate.assemble(frags, z._params, range(len(z._params)), source=source, keep_empty=True)
+        assembled = zstate.assemble(frags, z._params, range(len(z._params)), source=source, keep_empty=True,
+                                    name=z._param_name)
         if sds[0].get("format") == zstate.FORMAT:
             zstate.relayout(assembled, z._params, sds[0]["param_meta"])
         hyper = self._check_inner_accepts(assembled, [zstate.hyperparameters(g) for g in groups], source)

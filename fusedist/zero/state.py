@@ -113,9 +113,17 @@ def per_element_keys(states: dict, params) -> set:
             for key, v in state.items() if is_elementwise(v, params[int(index)].numel())}
 
 
-def fragments_from_full(full: dict, params) -> dict[int, list]:
+def _which(index: int, params, name) -> str:
+    """Parameter ``index`` in a message: ``name(index)`` where the caller can name it (a sharded
+    optimizer, by its module path: Note [naming a parameter given without its name] in
+    param_labels.py), else by index and shape."""
+    return name(index) if name is not None else f"parameter {index} (shape {tuple(params[index].shape)})"
+
+
+def fragments_from_full(full: dict, params, name=None) -> dict[int, list]:
     """Fragments of a torch-format state dict ``{"state": {index: {...}}, "param_groups"}``
-    (a 0-dim parameter's moments made one-element: :func:`per_element_keys`)."""
+    (a 0-dim parameter's moments made one-element: :func:`per_element_keys`); ``name(index)``
+    names a parameter in errors (default: index and shape)."""
     out: dict[int, list] = {}
     states = full.get("state", {})
     for index in states:  # (all checked first: per_element_keys reads every index's parameter)
@@ -132,7 +140,8 @@ def fragments_from_full(full: dict, params) -> dict[int, list]:
             elif isinstance(v, torch.Tensor) and (v.dim() > 0 or (params[index].dim() == 0 and key in per_element)):
                 if v.numel() != n:
                     raise StateDictError(
-                        f"state '{key}' of parameter {index} has {v.numel()} elements, the parameter has {n} "
+                        f"state '{key}' of {_which(index, params, name)} has {v.numel()} elements, the parameter "
+                        f"has {n} "
                         "(ZeroRedundancyOptimizer shards only elementwise optimizer state)"
                     )
                 state[key] = flat_like(v, params[index])
@@ -143,7 +152,7 @@ def fragments_from_full(full: dict, params) -> dict[int, list]:
 
 
 def assemble(frags_by_param: dict[int, list], params, indices, *, source: str,
-             keep_empty: bool = False) -> dict[int, dict]:
+             keep_empty: bool = False, name=None) -> dict[int, dict]:
     """Full flat ``{"master", "state"}`` per parameter in ``indices`` from its fragments.
 
     Raises :class:`StateDictError` naming the parameter when fragments do not cover it exactly
@@ -152,7 +161,8 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str,
     any shard: its state -- torch's optimizers step it, and their state dicts hold empty
     moments and a step count for it -- is taken from its first fragment with ``keep_empty``
     (a ZeroRedundancyOptimizer keeps it: Note [parameters with no elements] in
-    ``empty_params.py``), else dropped."""
+    ``empty_params.py``), else dropped. ``name(index)`` names a parameter in errors (default: index
+    and shape)."""
     from .box_fragments import assemble_boxes, is_box  # (it imports this module)
 
     out: dict[int, dict] = {}
@@ -161,11 +171,11 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str,
         p = params[index]
         n = p.numel()
         if frags and n == 0 and keep_empty:
-            out[index] = _assemble_empty(frags[0], index, source)
+            out[index] = _assemble_empty(frags[0], source, _which(index, params, name))
         if not frags or n == 0:
             continue
         if any(is_box(f) for f in frags):  # Note [box fragments], Note [region fragments]
-            out[index] = assemble_boxes(frags, tuple(p.shape), index, source=source)
+            out[index] = assemble_boxes(frags, tuple(p.shape), _which(index, params, name), source=source)
             continue
         frags = sorted(frags, key=lambda f: f["range"][0])
         cursor = 0
@@ -173,14 +183,14 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str,
             lo, hi = f["range"]
             if lo != cursor or hi <= lo or hi > n:
                 raise StateDictError(
-                    f"{source}: the fragments of parameter {index} (shape {tuple(p.shape)}) cover "
+                    f"{source}: the fragments of {_which(index, params, name)} cover "
                     f"{[tuple(g['range']) for g in frags]}, not exactly [0, {n}) once; shards are missing "
                     "or come from different checkpoints"
                 )
             cursor = hi
         if cursor != n:
             raise StateDictError(
-                f"{source}: the fragments of parameter {index} (shape {tuple(p.shape)}) end at element "
+                f"{source}: the fragments of {_which(index, params, name)} end at element "
                 f"{cursor} of {n}; a shard is missing"
             )
         keys = set(frags[0]["state"])
@@ -194,8 +204,8 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str,
                     v = f["state"].get(key)
                     lo, hi = f["range"]
                     if not (isinstance(v, torch.Tensor) and v.numel() == hi - lo):
-                        raise StateDictError(f"{source}: state '{key}' of parameter {index} is inconsistent "
-                                             "across shards")
+                        raise StateDictError(f"{source}: state '{key}' of {_which(index, params, name)} is "
+                                             "inconsistent across shards")
                     parts.append(v.reshape(-1))
                 state[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
             else:
@@ -205,31 +215,31 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str,
                             if other is not None else False)
                     if not same:
                         raise StateDictError(
-                            f"{source}: scalar state '{key}' of parameter {index} differs across shards "
+                            f"{source}: scalar state '{key}' of {_which(index, params, name)} differs across shards "
                             f"({first!r} vs {other!r})"
                         )
                 state[key] = first
         for f in frags:
             if set(f["state"]) != keys or (f["master"] is not None) != has_master:
-                raise StateDictError(f"{source}: shards of parameter {index} hold different state keys")
+                raise StateDictError(f"{source}: shards of {_which(index, params, name)} hold different state keys")
             lo, hi = f["range"]
             if has_master and f["master"].numel() != hi - lo:
                 raise StateDictError(
-                    f"{source}: the fragment of parameter {index} (shape {tuple(p.shape)}) for elements "
+                    f"{source}: the fragment of {_which(index, params, name)} for elements "
                     f"{(lo, hi)} holds {f['master'].numel()} values, not {hi - lo}; a rank's file is corrupt")
         master = torch.cat([f["master"].reshape(-1) for f in frags]) if has_master else None
         out[index] = {"master": master, "state": state}
     return out
 
 
-def _assemble_empty(frag: dict, index: int, source: str) -> dict:
+def _assemble_empty(frag: dict, source: str, which: str) -> dict:
     """The state of a parameter with no elements from one of its fragments (every rank's
     holds the same): its tensors must be empty too."""
     state = {}
     for key, v in frag["state"].items():
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             if v.numel():
-                raise StateDictError(f"{source}: state '{key}' of parameter {index} has {v.numel()} elements, "
+                raise StateDictError(f"{source}: state '{key}' of {which} has {v.numel()} elements, "
                                      "the parameter has none")
             v = v.reshape(-1)
         state[key] = v

@@ -60,6 +60,8 @@ from typing import Optional
 
 import torch
 
+from . import param_labels
+
 OP = "ZeroRedundancyOptimizer: trainable parameter check"
 _KEY_BITS = 20  # each key and its square summed over up to 8192 ranks stay exact in float64 and int64
 
@@ -165,10 +167,12 @@ def raise_different(zero, sharded: list) -> None:
     """The ranks shard different parameters: exchange the lists and raise the same error on every rank."""
     from .._consistency import gather_objects, raise_if_different
 
-    everyone = gather_objects([(i, tuple(zero._params[i].shape)) for i in sharded], zero.comm, OP)
+    names = param_labels.names_for_exchange(zero, zero._params, zero._group_of)  # (for the message only)
+    entries = [param_labels.NamedEntry((i, tuple(zero._params[i].shape), names[i])) for i in sharded]
+    everyone = gather_objects(entries, zero.comm, OP)
     raise_if_different(
         everyone, zero.rank, "the trainable parameters of ZeroRedundancyOptimizer",
-        lambda e: f"parameter {e[0]} (shape {e[1]}) trainable",
+        lambda e: param_labels.label_of(e[0], e[1], e[2]) + " trainable",
         "Without a DDP model a parameter made trainable after construction joins the shards at the first step "
         "(or unscale_/clip before it) that sees it trainable, and every rank must shard the same parameters: set "
         "requires_grad=True on the same parameters on every rank before the same step.")

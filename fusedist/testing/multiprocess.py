@@ -77,6 +77,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 from .shared_gpu import rank_environment, ranks_per_gpu_setting
+from .thread_states import describe_threads, thread_states
 
 
 #: a rank's faulthandler file (Note [a crashed rank's last words])
@@ -187,8 +188,9 @@ _STACKS_SIGNAL = signal.SIGUSR1
 _STACKS_WAIT_S = 0.5
 
 
-def _ask_for_stacks(procs: list) -> None:
-    """Have each of ``procs`` (hung ranks, about to be killed) write every thread's stack to its fault file.
+def _ask_for_stacks(procs: list) -> dict:
+    """Have each of ``procs`` (hung ranks, about to be killed) write every thread's stack to its fault file;
+    return ``pid -> what its threads were doing`` (Note [a hung rank's threads] in thread_states.py).
 
     Note [a hung rank's stacks]
         A rank still running when the run ends (past its deadline, or after another rank failed) is
@@ -197,6 +199,7 @@ def _ask_for_stacks(procs: list) -> None:
         So each rank registers faulthandler for a signal, and the harness sends it to the hung ranks
         (one wait for all) before killing them: the stacks land in the rank's fault file (Note [a crashed
         rank's last words]) and in its failure."""
+    before = {p.pid: thread_states(p.pid) for p in procs}
     asked = False
     for p in procs:
         try:
@@ -206,6 +209,7 @@ def _ask_for_stacks(procs: list) -> None:
             pass
     if asked:
         time.sleep(_STACKS_WAIT_S)
+    return {p.pid: describe_threads(before[p.pid], thread_states(p.pid), _STACKS_WAIT_S) for p in procs}
 
 
 def _fault_file(init_file: str, rank: int) -> str:
@@ -452,6 +456,7 @@ def run_distributed(
     procs = []
     outcome: dict[int, tuple[bool, Any]] = {}
     ended = None
+    hung_threads: dict = {}  # pid of a hung rank -> what its threads were doing (Note [a hung rank's threads])
     try:
         for rank in range(world_size):
             p = ctx.Process(
@@ -467,7 +472,7 @@ def run_distributed(
     finally:
         killed = set()
         hung_alive = [p for rank, p in enumerate(procs) if rank not in outcome and p.is_alive()]
-        _ask_for_stacks(hung_alive)  # Note [a hung rank's stacks]
+        hung_threads = _ask_for_stacks(hung_alive)  # Note [a hung rank's stacks]
         for rank, p in enumerate(procs):
             if rank not in outcome and p.is_alive():  # past the deadline: nothing more will come
                 p.kill()
@@ -504,6 +509,8 @@ def run_distributed(
                        f"rank ends the run, as torchrun ends a job; the group's timeout was {pg_timeout:.0f} s)")
         if words[r]:  # Note [a hung rank's stacks]
             failures[r] += f"\nwhere its threads were when it was killed:\n{words[r]}"
+        if hung_threads.get(procs[r].pid):  # Note [a hung rank's threads] in thread_states.py
+            failures[r] += f"\n{hung_threads[procs[r].pid]}"
     if expect_failure:
         return [("error", failures[r]) if r in failures else ("ok", outcome[r][1])
                 for r in range(world_size)]

@@ -70,6 +70,9 @@ def _wait_probed(handle, waited: datetime.timedelta) -> None:
                 comm._wait_work(work, datetime.timedelta(seconds=piece))
                 return
             except Exception:  # noqa: BLE001 - a slice that ran out, unless the work failed
+                if work.is_completed():  # Note [a slice that runs out as the work completes]
+                    comm._wait_work(work, datetime.timedelta(seconds=max(end - time.monotonic(), 1e-3)))
+                    return
                 if not comm._wait_can_resume(work):
                     raise
             probe = probe or comm.observer.divergence_probe(handle.op, handle.tag, handle.seq, handle.part)
@@ -82,6 +85,14 @@ def _wait_probed(handle, waited: datetime.timedelta) -> None:
             probe.close()
 
 
+# Note [a slice that runs out as the work completes]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A slice's wait that runs out raises (an exchange's ``TimeoutError``, gloo's "Wait timeout"); the work
+# may complete between that and the check whether the wait can go on. Asked then, a completed work
+# "cannot resume", and the slice's timeout was raised as the collective's failure, on this rank alone
+# (its peers had completed it): a StallError "timed out 0.0 s after its launch ... (still done)" on a
+# loaded machine, once a wait outlasted the probe's delay. A work completed by then is waited for once
+# more instead: that returns at once with its result, or raises its own error.
 def _wait_watched(handle, waited: datetime.timedelta, delay: float) -> None:
     """Wait for ``handle``'s work in one call while the watcher thread probes it (Note [probing waits that
     cannot be sliced] in watched_wait.py); raise the probe's verdict where it ended the wait."""

@@ -31,8 +31,8 @@ Note [the step check's verdict read at the step's end]
     Cost on a step whose ranks agree: no collective and no host synchronization more; on the host, the wait
     for the check's tiny all-reduce moves from the next forward to the step's end, and on CUDA the exchange's
     read of its integer (the host waited there for the step's work already) also waits for that all-reduce.
-    (The check's pending verdict is read from its own fields here: ``StepCheck._pending``, ``buf``, ``_tail``
-    and ``_carried_bounds()``.)
+    (The check's pending verdict is read through ``StepCheck.is_pending()``, ``readable_on_host()``,
+    ``disagreement_flag()`` and ``settle(reported_at=...)``.)
 
 Note [a retried step paired with a late peer's]
     A rank whose step failed may take the next at once (a failed shape inference counts as ended; a one-rank
@@ -74,48 +74,6 @@ def reported_at(stage) -> str:
     return f"the end of the pipeline step (stage {stage.stage_index}), before any optimizer step"
 
 
-def _read_where(check, where: str) -> None:
-    """The pending verdict's errors say it was found at ``where``."""
-    handle, host, event, values, detail = check._pending
-    if callable(detail):  # (a carried verdict builds its detail only for an error)
-        check._pending = (handle, host, event, values, lambda: dict(detail(), reported_at=where))
-    else:
-        check._pending = (handle, host, event, values, dict(detail, reported_at=where))
-
-
-def _on_host(check) -> bool:
-    """Whether the pending verdict can be read without the host waiting on the device."""
-    return check._pending is not None and check._pending[2] is None
-
-
-def disagreement(check, device) -> Optional[torch.Tensor]:
-    """A one-element int64 tensor on ``device``, nonzero where the pending verdict says the ranks diverged;
-    None where none is pending or its collective failed (the next reading raises that). No host wait on
-    CUDA: the step's stream waits for the check's copy event."""
-    from .comm.base import CollectiveError
-    from .reliability import carried_check
-
-    if check._pending is None:
-        return None
-    handle, _, event, _, _ = check._pending
-    k = check.k
-    try:
-        if check._tail is not None:  # (the backward waited for the bucket: nothing is waited for here)
-            handle.wait()
-            agreed = carried_check.agree(check._tail, check.comm.world_size)
-            if not agreed:  # (rows that differ: a divergence, or a joined rank's row, neutral in the bounds)
-                bounds = check._carried_bounds()
-                agreed = all(bounds[i] == -bounds[k + i] for i in range(k))
-            return torch.tensor([0 if agreed else 1], dtype=torch.int64, device=device)
-        if event is not None:
-            torch.cuda.current_stream(check.buf.device).wait_event(event)
-        else:
-            handle.wait()
-    except CollectiveError:
-        return None
-    return (check.buf[:k] != -check.buf[k:]).any().to(torch.int64).view(1).to(device, non_blocking=True)
-
-
 class StepVerdicts:
     """The pending step-check verdicts of a rank's stages at its step's end, carried by the step's status
     exchange (Note [the step check's verdict read at the step's end])."""
@@ -127,11 +85,11 @@ class StepVerdicts:
         flags = []
         for stage in stages:
             check = step_check_of(stage.submod)
-            if check is None or check._pending is None:
+            if check is None or not check.is_pending():
                 continue
             self.checks.append((stage, check))
             try:
-                flag = disagreement(check, stage.device)
+                flag = check.disagreement_flag(stage.device)
             except Exception as e:  # noqa: BLE001 - told to every rank of the pipeline, then raised here
                 self.failed = self.failed or (stage, e)
                 continue
@@ -147,7 +105,7 @@ class StepVerdicts:
         """After an exchange that found a failure: every check's verdict read (on a divergence an all-gather
         with the stage's data-parallel peers, who are all here too); the message of the first error."""
         for stage, check in self.checks:
-            if check._pending is None:
+            if not check.is_pending():
                 continue
             try:
                 settle_naming_steps(stage, check)
@@ -169,16 +127,15 @@ def read_now(stage) -> None:
     """A one-rank pipeline: the stage module's pending verdict read at once where the host can read it
     without waiting on the device (else at the next forward); raises the check's error."""
     check = step_check_of(stage.submod)
-    if check is not None and _on_host(check):
+    if check is not None and check.readable_on_host():
         settle_naming_steps(stage, check)
 
 
 def settle_naming_steps(stage, check) -> None:
     """The stage's pending verdict read now; a divergence's error also names each data-parallel rank's
     pipeline step (Note [a retried step paired with a late peer's])."""
-    _read_where(check, reported_at(stage))
     try:
-        check.settle()
+        check.settle(reported_at=reported_at(stage))
     except RankMismatchError as e:
         raise RankMismatchError(f"{e}\n{_steps_of_the_ranks(stage, check.comm)}") from e
 

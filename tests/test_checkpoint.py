@@ -234,6 +234,60 @@ def test_load_at_world_size_1_without_ddp(saved, monkeypatch):
         assert (final - uninterrupted).abs().max().item() < 1e-5, kind
 
 
+def _shorten_a_moment(directory):
+    """Drop the last element of one ``exp_avg`` fragment of the ZeRO optimizer shards (the manifest updated
+    to match: a save whose shards disagree); the parameter's optimizer index."""
+    import json
+
+    from fusedist.checkpoint import _files
+
+    manifest_path = os.path.join(directory, _files.MANIFEST)
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    for name, info in sorted(manifest["files"].items()):
+        path = os.path.join(directory, info.get("file", name))
+        if "optimizer_shard" not in info.get("sections", []):
+            continue
+        obj = torch.load(path, weights_only=False)
+        fragments = obj["optimizer_shard"]["fragments"]
+        index = max(k for k, frags in fragments.items() if frags and frags[0]["state"]["exp_avg"].numel() > 1)
+        fragments[index][0]["state"]["exp_avg"] = fragments[index][0]["state"]["exp_avg"][:-1].clone()
+        torch.save(obj, path)
+        info.update(_files.file_info(path))
+        with open(manifest_path, "w") as f:
+            json.dump(manifest, f)
+        return index
+    raise AssertionError("no optimizer shard in the checkpoint")
+
+
+def test_inconsistent_zero_state_names_the_parameter_by_its_path(saved, tmp_path):
+    """ZeRO optimizer shards whose fragments disagree with the parameter, loaded into an unsharded optimizer
+    or read for a pipeline's stages: the error named the parameter by its position in the optimizer's list
+    only ("parameter 5 (shape (4,))"); it names its path in the model too."""
+    import fusedist
+    from fusedist.checkpoint import CheckpointError
+
+    directory = str(tmp_path / "damaged")
+    shutil.copytree(saved[0], directory)
+    index = _shorten_a_moment(directory)
+    model = models.MLP()
+    opt = torch.optim.AdamW(_groups(model), lr=1e-2)
+    p = [q for g in opt.param_groups for q in g["params"]][index]
+    path = next(n for n, q in model.named_parameters() if q is p)
+    named = f"state 'exp_avg' of parameter {index} ('{path}', shape {tuple(p.shape)})"
+    with pytest.raises(CheckpointError) as info:
+        fusedist.checkpoint.load(directory, model, opt)
+    assert named in str(info.value)
+    # The same shards read for the stages of a pipelined job (an ordinary checkpoint is its one stage).
+    from fusedist.checkpoint import _files, pipeline
+    from fusedist.zero.state import StateDictError
+
+    manifest = _files.read_manifest(directory)
+    with pytest.raises(StateDictError) as info:
+        pipeline._Reader(directory, manifest, False).optimizer(pipeline._stages(manifest)[0])
+    assert named in str(info.value)
+
+
 class _Config:
     """A user object in ``extra``: not loadable by the restricted unpickler."""
 

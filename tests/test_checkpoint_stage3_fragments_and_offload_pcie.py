@@ -81,6 +81,53 @@ def test_stage3_fragment_values_of_the_wrong_size_are_named(tmp_path):
         fusedist.checkpoint.load(directory, _net(seed, width))
 
 
+def _stepped(seed):
+    """A model of three parameters' optimizer positions after one AdamW step: (model, optimizer, params)."""
+    model = _net(seed, 6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt, [p for g in opt.param_groups for p in g["params"]]
+
+
+def test_optimizer_state_loaded_into_pieces_names_the_parameter_by_its_path():
+    """Optimizer state loaded into the pieces of a fully_shard model (here with no unit: each parameter is
+    its own whole) that does not fit a parameter named it by its position in the optimizer's list only, both
+    from torch's format and from ZeRO's fragments; it names its path in the model too."""
+    from fusedist.checkpoint import _load_plan, stage3
+    from fusedist.zero import state as zstate
+
+    model, opt, params = _stepped(random.randint(0, 10**6))
+    index = random.randrange(len(params))
+    path = next(n for n, q in model.named_parameters() if q is params[index])
+    named = f"parameter {index} ('{path}', shape {tuple(params[index].shape)})"
+    full = opt.state_dict()
+    full["state"][index] = dict(full["state"][index], exp_avg=full["state"][index]["exp_avg"].reshape(-1)[:-1])
+    with pytest.raises(zstate.StateDictError, match=re.escape(f"state 'exp_avg' of {named} has")):
+        _load_plan._prepare_full(full, "ckpt", model, (True, {}), opt, params, "optimizer state in ckpt")
+    frags = zstate.fragments_from_full(opt.state_dict(), params)
+    frags[index][0]["range"] = (0, params[index].numel() - 1)
+    names = [n for n, _ in model.named_parameters()]
+    with pytest.raises(zstate.StateDictError, match=re.escape(f"the fragments of {named} end at element")):
+        stage3.optimizer_for_pieces(model, opt, params, frags, opt.state_dict()["param_groups"], None, "ckpt",
+                                    names=names)
+
+
+def test_a_stage3_save_of_state_not_elementwise_names_the_parameter():
+    """Saving optimizer state that is not elementwise (a per-row factor) over fully_shard's pieces named every
+    parameter "parameter 0" (each was cut as a one-parameter state dict), with no name."""
+    from fusedist.checkpoint import stage3
+    from fusedist.zero import state as zstate
+
+    model, opt, params = _stepped(random.randint(0, 10**6))
+    index = random.choice([i for i, p in enumerate(params) if p.dim() == 2])
+    opt.state[params[index]]["row_factor"] = torch.zeros(params[index].shape[0])
+    path = next(n for n, q in model.named_parameters() if q is params[index])
+    named = f"parameter {index} ('{path}', shape {tuple(params[index].shape)})"
+    with pytest.raises(zstate.StateDictError, match=re.escape(f"state 'row_factor' of {named} has")):
+        stage3.optimizer_shard(model, opt, params, 0, 1)
+
+
 _SPEC_ARGS = dict(arch="gpt", layers=2, hidden=32, heads=4, seq=16, vocab=64)
 
 

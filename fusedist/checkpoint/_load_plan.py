@@ -16,7 +16,7 @@ from ..zero import state as zstate
 from . import (_adam_family, _checks, _dcp_algorithm, _dtensor_targets, _files, _from_dcp, _names, _which_checkpoint,
                stage3)
 from ._files import CheckpointError
-from ._params import optimizer_params, param_names
+from ._params import labeller, optimizer_params, param_names
 
 
 def _expected_model(target) -> tuple[dict, bool]:
@@ -315,9 +315,11 @@ def _prepare_optimizer(directory, manifest, common, model, optimizer, sections):
             if not any(s.get("replicated") for s in shards):
                 stage3.check_shard_set(shards, "optimizer", source)
             return stage3.optimizer_for_pieces(target, optimizer, params, zstate.merge_fragments(shards),
-                                               shards[0]["param_groups"], shards[0]["param_meta"], source)
+                                               shards[0]["param_groups"], shards[0]["param_meta"], source,
+                                               names=names)
         merged = zstate.merge_fragments(shards)
-        assembled = zstate.assemble(merged, params, range(len(params)), source=source, keep_empty=True)
+        assembled = zstate.assemble(merged, params, range(len(params)), source=source, keep_empty=True,
+                                    name=labeller(names, params))
         zstate.relayout(assembled, params, shards[0]["param_meta"])
         full = _adam_family.keep_own_setting(zstate.to_torch_format(assembled, params, shards[0]["param_groups"]),
                                              optimizer)  # Note [Adam without weight decay is AdamW without it]
@@ -475,8 +477,10 @@ def _prepare_full(full: dict, directory, target, sharding: tuple, optimizer, par
         return optimizer.prepare_load(full, source=source)
     if sharded_target:
         wholes = [stage3._whole(p, where) for p in params]
-        return stage3.optimizer_for_pieces(target, optimizer, params, zstate.fragments_from_full(full, wholes),
-                                           full["param_groups"], None, source)
+        names = param_names(target, params)
+        frags = zstate.fragments_from_full(full, wholes, name=labeller(names, wholes))
+        return stage3.optimizer_for_pieces(target, optimizer, params, frags, full["param_groups"], None, source,
+                                           names=names)
     zstate.check_groups(full["param_groups"], optimizer.param_groups, source)
     _checks.check_loadable(optimizer, full, directory)
     return full

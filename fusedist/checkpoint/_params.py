@@ -4,8 +4,11 @@ matches them against."""
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
+from ..zero import param_labels
 from . import _names, stage3
 
 
@@ -24,3 +27,19 @@ def param_names(model: torch.nn.Module, params) -> list[str]:
             if u in names:
                 names.setdefault(sp, names[u])
     return [names.get(p, f"<not in model: {tuple(p.shape)}>") for p in params]
+
+
+def known_name(name: str) -> Optional[str]:
+    """A name of :func:`param_names`, None for a parameter the model does not hold."""
+    return None if name.startswith("<not in model") else name
+
+
+def labeller(names: list, params) -> Callable[[int], str]:
+    """``name(index)`` for the errors of ZeRO's state assembly (fusedist/zero/state.py): ``parameter <index>
+    ('<key>', shape ...)`` by the checkpoint's name of the parameter, so an error names it by its path in the
+    model, not only by a position in the optimizer's list (Note [naming a parameter given without its name]
+    in fusedist/zero/param_labels.py)."""
+    def name(index: int) -> str:
+        key = known_name(names[index]) if index < len(names) and names[index] else None
+        return param_labels.label(params[index], index, key)
+    return name

@@ -52,7 +52,7 @@ from . import (_checks, _files, _from_dcp, _given_up, _load_plan, _names, _pipel
                _which_checkpoint, api, stage3)
 from ._files import CheckpointError
 from ._optimizer_list import MANIFEST_KEY
-from ._params import optimizer_params, param_names
+from ._params import labeller, optimizer_params, param_names
 
 
 #: the key of each part's LR scheduler state in a Checkpointer's ``extra`` as :func:`load`
@@ -307,7 +307,8 @@ class _Reader:
             stage3.check_shard_set(shards, "optimizer", source)
         param_meta = shards[0]["param_meta"]
         wholes = [torch.empty(m["shape"], dtype=getattr(torch, m["dtype"]), device="meta") for m in param_meta]
-        assembled = zstate.assemble(zstate.merge_fragments(shards), wholes, range(len(wholes)), source=source)
+        assembled = zstate.assemble(zstate.merge_fragments(shards), wholes, range(len(wholes)), source=source,
+                                    name=labeller(meta.get("param_names") or [], wholes))
         zstate.relayout(assembled, wholes, param_meta)
         return zstate.to_torch_format(assembled, wholes, shards[0]["param_groups"])
 

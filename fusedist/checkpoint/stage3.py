@@ -293,7 +293,7 @@ def optimizer_shard(model: torch.nn.Module, optimizer, params: list, rank: int, 
             place = _place(*hit)
             if place is None or not _writes_piece(*hit, tp_mesh):
                 continue  # an empty piece holds no part of the parameter; a second replica's, a copy
-        frag = zstate.fragments_from_full({"state": {0: st}}, [p])[0][0]
+        frag = zstate.fragments_from_full({"state": {0: st}}, [p], name=_named_at(model, p, index))[0][0]
         n = p.numel()
         if "range" in place:
             frag["range"] = place["range"]
@@ -319,6 +319,15 @@ def optimizer_shard(model: torch.nn.Module, optimizer, params: list, rank: int, 
         "param_meta": [_meta(p, where) for p in params],
         "fragments": fragments,
     }
+
+
+def _named_at(model: torch.nn.Module, p: torch.Tensor, index: int):
+    """``name(0)`` for a state dict of ``p``'s state alone: ``p`` as parameter ``index`` of the optimizer, by
+    its name in ``model`` (looked up only for an error)."""
+    from ..zero import param_labels
+    from ._params import known_name, param_names  # (it imports this module)
+
+    return lambda _: param_labels.label(p, index, known_name(param_names(model, [p])[0]))
 
 
 # ---------------------------------------------------------------------------- load
@@ -367,13 +376,17 @@ def full_shapes(model: torch.nn.Module) -> dict:
 
 
 def optimizer_for_pieces(model: torch.nn.Module, optimizer, params: list, frags: dict, groups: list,
-                         saved_meta: Optional[list], source: str) -> dict:
+                         saved_meta: Optional[list], source: str, names: Optional[list] = None) -> dict:
     """A torch-format state dict for ``optimizer`` over the pieces: every parameter's state
     assembled whole from ``frags`` (validated), reordered to row-major if it was saved in
-    another memory order, and cut to this rank's range."""
+    another memory order, and cut to this rank's range. ``names``: the parameters' checkpoint
+    names, which errors name them by."""
+    from ._params import labeller  # (it imports this module)
+
     where = piece_index(model)
     wholes = [_whole(p, where) for p in params]
-    assembled = zstate.assemble(frags, wholes, range(len(params)), source=source, keep_empty=True)
+    assembled = zstate.assemble(frags, wholes, range(len(params)), source=source, keep_empty=True,
+                                name=None if names is None else labeller(names, wholes))
     if saved_meta is not None:
         zstate.relayout(assembled, wholes, saved_meta)
     per_element = zstate.per_element_keys({i: item["state"] for i, item in assembled.items()}, wholes)

@@ -205,13 +205,50 @@ class StepCheck:
         """``[max(v), max(-v)]`` from the pending verdict's summed rows."""
         return carried_check.bounds(carried_check.decode(self._tail, self.comm.world_size, self.k), JOINED)
 
-    def settle(self) -> None:
+    def is_pending(self) -> bool:
+        """Whether a verdict was launched and not read yet."""
+        return self._pending is not None
+
+    def readable_on_host(self) -> bool:
+        """Whether the pending verdict can be read without the host waiting on the device (it is
+        carried by the last bucket, or the check's own all-reduce ran on the host)."""
+        return self._pending is not None and self._pending[2] is None
+
+    def disagreement_flag(self, device: torch.device) -> Optional[torch.Tensor]:
+        """A one-element int64 tensor on ``device``, nonzero where the pending verdict says the ranks
+        diverged; None where none is pending or its collective failed (:meth:`settle` raises that).
+        No host wait on CUDA: the current stream waits for the check's copy event (Note [the step
+        check's verdict read at the step's end] in fusedist/_pipeline_step_verdict.py)."""
+        if self._pending is None:
+            return None
+        handle, _, event, _, _ = self._pending
+        k = self.k
+        try:
+            if self._tail is not None:  # (the backward waited for the bucket: nothing is waited for here)
+                handle.wait()
+                agreed = carried_check.agree(self._tail, self.comm.world_size)
+                if not agreed:  # (rows that differ: a divergence, or a joined rank's row, neutral in the bounds)
+                    bounds = self._carried_bounds()
+                    agreed = all(bounds[i] == -bounds[k + i] for i in range(k))
+                return torch.tensor([0 if agreed else 1], dtype=torch.int64, device=device)
+            if event is not None:
+                torch.cuda.current_stream(self.buf.device).wait_event(event)
+            else:
+                handle.wait()
+        except CollectiveError:
+            return None
+        return (self.buf[:k] != -self.buf[k:]).any().to(torch.int64).view(1).to(device, non_blocking=True)
+
+    def settle(self, reported_at: Optional[str] = None) -> None:
         """Read the pending verdict (if any); raise :class:`RankMismatchError` on every rank
         if the ranks disagreed. Called at the next training forward, by which time the tiny
-        all-reduce has long completed, so the wait costs nothing."""
+        all-reduce has long completed, so the wait costs nothing. ``reported_at``: where the
+        error says the verdict was read, when not at the next training forward."""
         if self._pending is None:
             return
         handle, host, event, values, detail = self._pending
+        if reported_at is not None:
+            detail = _reported_at(detail, reported_at)
         if self._tail is not None:
             try:
                 handle.wait()  # (the last bucket's: finished by the backward already, or about to be)
@@ -235,19 +272,6 @@ class StepCheck:
         else:
             reduced = self.buf.tolist()
         self._verdict(reduced, values, detail)
-
-    def settle_carried(self, reported_at: str) -> bool:
-        """:meth:`settle` now where the last bucket carried the pending verdict (the backward already waited
-        for that bucket, so nothing more is waited for or exchanged unless the ranks disagreed); a verdict of
-        the check's own all-reduce is left for the next forward. ``reported_at``: where an error says it was
-        found. Whether a verdict was read (Note [the step check's verdict read at the step's end] in
-        fusedist/_pipeline_step_verdict.py)."""
-        if self._pending is None or self._tail is None:
-            return False
-        handle, host, event, values, detail = self._pending
-        self._pending = (handle, host, event, values, lambda: dict(detail(), reported_at=reported_at))
-        self.settle()
-        return True
 
     def unread_divergence(self) -> Optional[str]:
         """Note [verdicts unread at exit]: the message of a pending verdict that says the ranks
@@ -302,6 +326,13 @@ class StepCheck:
             detail = dict(detail, replica_lines=describe())  # (local: what this rank's replicas exchanged)
         raise RankMismatchError(render_mismatch(table, self.comm.rank, dict(detail, global_ranks=global_ranks(
             self.comm))))
+
+
+def _reported_at(detail, where: str):
+    """``detail`` (a dict, or a function that builds one for a carried verdict) saying it was read at ``where``."""
+    if callable(detail):
+        return lambda: dict(detail(), reported_at=where)
+    return dict(detail, reported_at=where)
 
 
 def _differs(table: list[list[int]], column: int) -> bool:

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import SequenceParallel, parallelize_modu
 
 from fusedist.plan import ModelSpec, activation_bytes
 from fusedist.plan.model import recomputed_layer_bytes
-from fusedist.plan.pipeline import stage_activation_bytes
+from fusedist.plan.pipeline import pipeline_activation_bytes, stage_activation_bytes
 from fusedist.plan.torch_model import Transformer
 
 TP = 2
@@ -202,3 +202,143 @@ def test_a_tensor_parallel_rank_holds_the_parameters_the_planner_counts(tp_mesh,
     job = Job(gpus=TP, micro_batch=1, seq=spec.seq, convention="paper")
     entry = _memory_entry(spec, count_params(spec), job, PRESETS["h100"], "ddp", 1, tp=TP)
     assert entry["model_states_bytes"] == 16 * sum(n for n, _ in local)
+
+
+def _routed_on_tp_rank(experts, t: torch.Tensor, mesh) -> torch.Tensor:
+    """Rank 0's routed experts under tensor and sequence parallelism as Megatron-Core runs them
+    (Note [routed tokens under tensor parallelism]): the router on this rank's ``1/TP`` of the tokens
+    ``t``, the dispatch an all-gather of the group's tokens and their routing, each expert's SwiGLU
+    split by its width (gate and up columns, down rows: expert tensor parallelism), the weighted
+    outputs combined on the gathered tokens and reduce-scattered back to this rank's shard."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
+
+    e, h, f = experts.shape
+    k, width = experts.top_k, f // TP
+    probs = F.softmax(experts.router(t), dim=-1, dtype=torch.float32)
+    top, idx = probs.topk(k, dim=-1)
+    weights = (top / top.sum(-1, keepdim=True)).to(t.dtype)
+    tokens = funcol.all_gather_single_autograd(t, 0, mesh).wait()
+    weights = funcol.all_gather_single_autograd(weights, 0, mesh).wait()
+    pairs = funcol.all_gather_single(idx, 0, mesh).wait().flatten()
+    order = pairs.argsort(stable=True)
+    token_of = order // k
+    rows = tokens[token_of]
+    counts = torch.bincount(pairs, minlength=e).tolist()
+    w_in, w_out = experts.w_in.view(e, h, 2 * f), experts.w_out.view(e, f, h)
+    outs = []
+    for i, chunk in enumerate(rows.split(counts)):
+        gate, up = chunk @ w_in[i][:, :width], chunk @ w_in[i][:, f:f + width]
+        outs.append((F.silu(gate) * up) @ w_out[i][:width])
+    weighted = torch.cat(outs) * weights.flatten()[order].unsqueeze(-1)
+    combined = torch.zeros_like(tokens).scatter_add(0, token_of.unsqueeze(-1).expand(-1, h), weighted)
+    return funcol.reduce_scatter_single_autograd(combined, "sum", 0, mesh).wait()
+
+
+_ROUTED = {"mixtral": dict(experts=8, experts_per_token=2, expert_ffn=24),
+           "three_of_six": dict(experts=6, experts_per_token=3, expert_ffn=12)}
+
+
+@DTYPES
+@pytest.mark.parametrize("name", list(_ROUTED))
+def test_a_tensor_parallel_rank_keeps_its_gathered_token_expert_pairs_whole(tp_mesh, name, dtype):
+    """What an MoE block saves on one rank: the router's tensors for ``1/t`` of the tokens, but each
+    gathered token-expert pair's copy, expert output, weight and sort indices whole; only the SwiGLU's
+    tensors are split. The planner divided all of it by t (Mixtral-8x7B at t = 8, s = 4096: 3.8 GB of
+    a rank's activations missing)."""
+    from fusedist.plan.measure import saved_storage_bytes
+    from fusedist.plan.torch_model import Experts
+
+    torch.manual_seed(0)
+    b, s = 2, 8
+    spec = ModelSpec(arch="llama", layers=1, hidden=16, heads=2, seq=s, vocab=10, **_ROUTED[name])
+    experts = Experts(spec).to(dtype)
+    x = torch.randn(b * s, spec.hidden, dtype=dtype)
+    shard = x[: b * s // TP].clone().requires_grad_()
+    whole_run = saved_storage_bytes(experts, lambda: experts(x.clone().requires_grad_()).float().sum().backward())
+    on_rank = saved_storage_bytes(experts, lambda: _routed_on_tp_rank(experts, shard, tp_mesh).float().sum().backward())
+    # split bytes halve at TP = 2, so what a rank keeps whole is twice its share less the unsplit run's
+    measured_whole = TP * on_rank - whole_run
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    for recompute in ("none", "selective"):
+        one = activation_bytes(spec, b, s, precision, recompute)
+        split = activation_bytes(spec, b, s, precision, recompute, tp=TP)
+        assert TP * split - one == measured_whole > 0, recompute
+        assert pipeline_activation_bytes(spec, b, s, precision, recompute, tp=TP) == split  # a job's figure
+    word, k, h = x.element_size(), spec.experts_per_token, spec.hidden
+    assert measured_whole == b * s * k * (word * (2 * h + 1) + 16)  # the Note's k (2h + 1) elements and 16 k bytes
+
+
+def _loss_path_on_rank(mesh, dtype, vocab_parallel: bool, b: int, s: int, h: int, v: int) -> int:
+    """Bytes rank 0 saves through the output layer, Gemma-2's soft-cap and the loss, the layer
+    ``ColwiseParallel``: logits left split for torch's vocabulary-parallel ``loss_parallel()``, or
+    gathered (``output_layouts=Replicate()``) for a plain cross-entropy."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
+
+    head = torch.nn.Linear(h, v, bias=False).to(dtype)
+    layer = ColwiseParallel(use_local_output=False) if vocab_parallel else ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(head, mesh, layer)
+    x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, v, (b * s,))
+
+    def step():
+        logits = 30.0 * torch.tanh(head(x) / 30.0)
+        flat = logits.float().flatten(0, 1)
+        if vocab_parallel:
+            with loss_parallel():
+                F.cross_entropy(flat, targets).backward()
+        else:
+            F.cross_entropy(flat, targets).backward()
+    params = {_local(p).untyped_storage().data_ptr() for p in head.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = _local(t).untyped_storage()
+        if st.data_ptr() not in params and st.nbytes():
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(seen.values())
+
+
+@DTYPES
+def test_without_a_vocabulary_parallel_loss_a_rank_keeps_whole_logits(tp_mesh, dtype, capsys):
+    """torch's loss on gathered logits keeps the whole fp32 logits' log-softmax (and the soft-cap's
+    tanh) on each rank, ``loss_parallel()`` its 1/t: --no-loss-parallel counts the former, the
+    default the latter (the planner counted only the split logits)."""
+    from fusedist.plan import cli
+    from fusedist.plan.hardware import PRESETS
+    from fusedist.plan.plan import Job, _memory_entry
+
+    torch.manual_seed(0)
+    b, s, h, v = 2, 8, 32, 16
+    split = _loss_path_on_rank(tp_mesh, dtype, True, b, s, h, v)
+    whole = _loss_path_on_rank(tp_mesh, dtype, False, b, s, h, v)
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    spec = ModelSpec(arch="llama", layers=2, hidden=h, heads=4, kv_heads=2, ffn_hidden=48, seq=s, vocab=v,
+                     final_softcap=30.0)
+    for recompute in ("none", "full"):
+        assert (activation_bytes(spec, b, s, precision, recompute, tp=TP, loss_parallel=False)
+                - activation_bytes(spec, b, s, precision, recompute, tp=TP)) == whole - split > 0
+        assert (activation_bytes(spec, b, s, precision, recompute, loss_parallel=False)
+                == activation_bytes(spec, b, s, precision, recompute))  # nothing to split on one rank
+    # a job's figure on a tensor-parallel rank
+    entries = [_memory_entry(spec, 0, Job(gpus=TP, micro_batch=b, seq=s, precision=precision, loss_parallel=lp),
+                             PRESETS["h100"], "ddp", 1, tp=TP)["activation_bytes"] for lp in (False, True)]
+    assert entries[0] - entries[1] == whole - split
+    # a pipeline of two stages: the last one holds the logits
+    for stage, more in ((0, 0), (1, whole - split)):
+        held = [stage_activation_bytes(spec, b, s, precision, "none", TP, 2, 2, "1f1b", stage, loss_parallel=lp)
+                for lp in (False, True)]
+        assert held[0] - held[1] == more, stage
+    # the option, and the plan saying which loss it counted
+    shape = ["--arch", "llama", "--layers", "80", "--hidden", "8192", "--heads", "64", "--kv-heads", "8",
+             "--ffn-hidden", "28672", "--vocab", "32000", "--seq", "3072", "--gpus", "64", "--recompute", "selective"]
+    for flags, said in (([], "loss: vocabulary-parallel, the logits split by tp"),
+                        (["--no-loss-parallel"], "loss: on whole logits (--no-loss-parallel)")):
+        assert cli.main(shape + flags) == 0
+        out = capsys.readouterr().out
+        assert " x tp=" in out and said in out, out

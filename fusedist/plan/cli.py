@@ -95,7 +95,9 @@ latent attention's down-projections and the routers, as Megatron-LM and torchtit
 them); activations per Korthikanti et al. 2022 with unfused attention (flash attention needs
 about the selective figure), sequence parallelism wherever tensor parallelism is suggested,
 under --recompute full the stored block inputs plus the one block backward recomputes at a
-time; compute 6 x the parameters in matrix products (not the embedding lookups) + attention
+time, a vocabulary-parallel loss (logits split by tp; --no-loss-parallel: whole on each tp rank)
+and a mixture's token-expert pairs gathered whole on each tp rank (Megatron-Core's dispatch);
+compute 6 x the parameters in matrix products (not the embedding lookups) + attention
 FLOPs per token at --mfu of the dense peak (a sliding-window layer charged min(seq, window) keys a query;
 --precision fp32 at the TF32 tensor-core peak, which fp32 matmuls reach only with
 torch.set_float32_matmul_precision('high'): torch's default is plain fp32, several times
@@ -141,6 +143,10 @@ def parser() -> argparse.ArgumentParser:
                         "no-decay (norms' weights and biases, the 1-D tensors, in a group of their own)")
     j.add_argument("--virtual-stages", type=int,
                    help="--pp-schedule interleaved: pipeline stages each pp rank runs (v; 1 or more)")
+    j.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false",
+                   help="a suggested tensor-parallel layout's loss is not vocabulary-parallel: the output layer "
+                        "gathers the logits, whole fp32 logits on each tp rank (torchtitan without loss_parallel); "
+                        "default: split by tp (Megatron's, torchtitan's loss_parallel)")
     h = p.add_argument_group("hardware")
     h.add_argument("--gpu", default="h100", help=f"{', '.join(hardware.CHOICES)} (default h100)")
     h.add_argument("--gpu-memory-gb", type=_real)
@@ -298,7 +304,8 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
                optimizer=args.optimizer, convention=args.convention, mfu=args.mfu,
                bucket_cap_mb=args.bucket_cap_mb, scratch_gb=args.scratch_gb, ref_lr=args.ref_lr,
                ref_batch=args.ref_batch, seq_from_config=args.seq is None, ep=args.ep,
-               pp_schedule=args.pp_schedule, virtual_stages=virtual, param_groups=args.param_groups)
+               pp_schedule=args.pp_schedule, virtual_stages=virtual, param_groups=args.param_groups,
+               loss_parallel=args.loss_parallel)
 
 
 def _virtual_stages(args) -> int:

@@ -102,6 +102,7 @@ from typing import Optional
 from .errors import PlanError
 from .latent_bytes import latent_projection_bytes
 from .norm_bytes import block_norm_bytes, block_norm_weight_bytes, final_norm_bytes, final_norm_weight_bytes
+from .routed_bytes import routed_pair_bytes
 
 ARCHS = ("gpt", "llama")  # the shape flags' --arch
 BLOCKS = (*ARCHS, "falcon")  # and what a config.json may give
@@ -384,7 +385,7 @@ def attention_flops_per_token(spec: ModelSpec, seq: int) -> int:
 
 
 def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
-                     tp: int = 1) -> Optional[int]:
+                     tp: int = 1, loss_parallel: bool = True) -> Optional[int]:
     """Activation memory of one micro-batch held for the backward pass, in bytes.
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
@@ -416,7 +417,10 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     ``4·s·b·h``, fp32 logits ``4·s·b·v``. Everything divided by ``t`` under tensor parallelism
     *with* sequence parallelism (eq. 5; without it the norms' and dropouts' ``10·s·b·h``
     would not be divided), but for Gemma's fp32 ``1 + weight``, which each rank computes from
-    its whole replicated norm weight (:func:`tp_share`). fp32 activations: the 2-byte tensors
+    its whole replicated norm weight (:func:`tp_share`), for a mixture's routed token-expert pairs
+    (Note [routed tokens under tensor parallelism]) and, without ``loss_parallel`` (a vocabulary-
+    parallel loss: Megatron's, torchtitan's ``loss_parallel``), for the logits, which each rank then
+    holds whole (:func:`logit_bytes`). fp32 activations: the 2-byte tensors
     double, the masks (and an RMSNorm's fp32 rows and rstd) stay.
     Unfused attention: with flash attention the ``5·a·s²·b`` term is not stored, about the
     selective figure without recomputation. Per token, a mixture-of-experts block keeps the
@@ -434,7 +438,8 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     dense, moe = _block_bytes(spec, b, s, precision, recompute)
     layers = spec.layers * dense + (spec.moe_layers * (moe - dense) if spec.moe else 0)
     outside = input_side_bytes(spec, b, s) + output_side_bytes(spec, b, s, precision)
-    whole = spec.layers * block_whole_bytes(spec, recompute) + final_norm_weight_bytes(spec)
+    whole = sum(block_whole_bytes(spec, i, b, s, precision, recompute) for i in range(spec.layers))
+    whole += output_whole_bytes(spec, b, s, precision, loss_parallel)
     return tp_share(layers + outside, whole, tp) + recomputed_layer_bytes(spec, b, s, precision, recompute, tp)
 
 
@@ -445,10 +450,21 @@ def tp_share(nbytes: int, whole: int, tp: int) -> int:
     return (nbytes - whole) // tp + whole
 
 
-def block_whole_bytes(spec: ModelSpec, recompute: str) -> int:
-    """What one block keeps for backward that tensor parallelism does not split: Gemma's fp32
-    ``1 + weight`` of each norm (none stored under full recomputation, which keeps the block's input)."""
-    return 0 if recompute == "full" else block_norm_weight_bytes(spec)
+def block_whole_bytes(spec: ModelSpec, i: int, micro_batch: int, seq: int, precision: str, recompute: str) -> int:
+    """What block ``i`` keeps for backward that tensor parallelism does not split: Gemma's fp32
+    ``1 + weight`` of each norm and a mixture's routed token-expert pairs (Note [routed tokens under
+    tensor parallelism]); none stored under full recomputation, which keeps the block's input."""
+    if recompute == "full":
+        return 0
+    pairs = routed_pair_bytes(spec, micro_batch * seq, precision) if spec.is_moe_block(i) else 0
+    return block_norm_weight_bytes(spec) + pairs
+
+
+def output_whole_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, loss_parallel: bool) -> int:
+    """What the last stage keeps whole on each tensor-parallel rank: Gemma's final fp32 ``1 + weight``
+    and, without a vocabulary-parallel loss, the logits (:func:`logit_bytes`)."""
+    logits = 0 if loss_parallel else logit_bytes(spec, micro_batch, seq, precision)
+    return final_norm_weight_bytes(spec) + logits
 
 
 def block_activation_bytes(spec: ModelSpec, i: int, micro_batch: int, seq: int, precision: str,
@@ -471,9 +487,18 @@ def output_side_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: st
     the last pipeline stage's."""
     word = 4 if precision == "fp32" else 2
     sb = seq * micro_batch
-    capped = word * sb * spec.vocab if spec.final_softcap is not None else 0  # tanh's output (Note [soft-capping])
     once = final_norm_weight_bytes(spec)  # Gemma's fp32 1 + weight (Note [what a norm keeps])
-    return sb * (final_norm_bytes(spec, word) + word * spec.hidden) + 4 * sb * spec.vocab + capped + once
+    logits = logit_bytes(spec, micro_batch, seq, precision)
+    return sb * (final_norm_bytes(spec, word) + word * spec.hidden) + logits + once
+
+
+def logit_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str) -> int:
+    """The loss's fp32 logits, ``4·s·b·v``, and under soft-capping tanh's output in the activations'
+    dtype (Note [soft-capping]): split by vocabulary under a vocabulary-parallel loss, whole on each
+    tensor-parallel rank whose output layer gathers them (torchtitan without ``loss_parallel``)."""
+    word = 4 if precision == "fp32" else 2
+    capped = word if spec.final_softcap is not None else 0
+    return seq * micro_batch * spec.vocab * (4 + capped)
 
 
 def recomputed_layer_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
@@ -483,8 +508,13 @@ def recomputed_layer_bytes(spec: ModelSpec, micro_batch: int, seq: int, precisio
     keeps them without recomputation (Note [the recomputed layer]); 0 otherwise."""
     if recompute != "full" or not spec.has_shape:
         return 0
-    largest = max(n for n in _block_bytes(spec, micro_batch, seq, precision, "none") if n is not None)
-    return tp_share(largest, block_whole_bytes(spec, "none"), tp)
+    dense, moe = _block_bytes(spec, micro_batch, seq, precision, "none")
+    whole = block_norm_weight_bytes(spec)
+    largest = tp_share(dense, whole, tp)
+    if moe is not None:
+        pairs = routed_pair_bytes(spec, micro_batch * seq, precision)
+        largest = max(largest, tp_share(moe, whole + pairs, tp))
+    return largest
 
 
 def _block_bytes(spec: ModelSpec, b: int, s: int, precision: str, kept: str) -> tuple:

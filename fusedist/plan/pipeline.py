@@ -36,8 +36,7 @@ from typing import Optional
 from . import interleaved
 from .memory import param_bytes
 from .model import (ModelSpec, block_activation_bytes, block_whole_bytes, input_side_bytes, output_side_bytes,
-                    recomputed_layer_bytes)
-from .norm_bytes import final_norm_weight_bytes
+                    output_whole_bytes, recomputed_layer_bytes)
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
@@ -60,40 +59,41 @@ def stage_blocks(layers: int, pp: int, stage: int) -> range:
 
 
 def _chunk_bytes(spec: ModelSpec, b: int, s: int, precision: str, recompute: str, stages: int, stage: int,
-                 tp: int) -> Fraction:
+                 tp: int, loss_parallel: bool = True) -> Fraction:
     """What stage ``stage`` of ``stages`` saves for one micro-batch on one of ``tp`` tensor-parallel
     ranks: its blocks and its side, split as :func:`fusedist.plan.model.tp_share` splits them
     (exactly: a rank's peak sums several micro-batches before the one rounding)."""
     blocks = stage_blocks(spec.layers, stages, stage)
     one = sum(block_activation_bytes(spec, i, b, s, precision, recompute) for i in blocks)
-    whole = len(blocks) * block_whole_bytes(spec, recompute)
+    whole = sum(block_whole_bytes(spec, i, b, s, precision, recompute) for i in blocks)
     if stage == 0:
         one += input_side_bytes(spec, b, s)
     if stage == stages - 1:
         one += output_side_bytes(spec, b, s, precision)
-        whole += final_norm_weight_bytes(spec)
+        whole += output_whole_bytes(spec, b, s, precision, loss_parallel)
     return Fraction(one - whole, tp) + whole
 
 
 def stage_activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
-                           tp: int, pp: int, micro_batches: int, schedule: str, stage: int, virtual: int = 1) -> int:
+                           tp: int, pp: int, micro_batches: int, schedule: str, stage: int, virtual: int = 1,
+                           loss_parallel: bool = True) -> int:
     """Bytes stage ``stage`` (interleaved: rank ``stage``, its ``virtual`` stages) keeps for backward
     at its peak (Note [activations under pipeline parallelism]) on one of ``tp`` tensor-parallel
     ranks, split as :func:`fusedist.plan.model.activation_bytes` splits them."""
     b, s = micro_batch, seq
     if schedule == "interleaved":
         def chunk(local: int) -> Fraction:
-            return _chunk_bytes(spec, b, s, precision, recompute, pp * virtual, local * pp + stage, tp)
+            return _chunk_bytes(spec, b, s, precision, recompute, pp * virtual, local * pp + stage, tp, loss_parallel)
         held = interleaved.peak_held(stage, pp, virtual, micro_batches, chunk)
     else:
-        held = (_chunk_bytes(spec, b, s, precision, recompute, pp, stage, tp)
+        held = (_chunk_bytes(spec, b, s, precision, recompute, pp, stage, tp, loss_parallel)
                 * in_flight(stage, pp, micro_batches, schedule))
     return math.floor(held) + recomputed_layer_bytes(spec, b, s, precision, recompute, tp)
 
 
 def pipeline_activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
                               tp: int = 1, pp: int = 1, micro_batches: int = 1,
-                              schedule: str = "1f1b", virtual: int = 1) -> Optional[int]:
+                              schedule: str = "1f1b", virtual: int = 1, loss_parallel: bool = True) -> Optional[int]:
     """The activation bytes of the fullest of ``pp`` stages running ``micro_batches`` micro-batches a
     step under ``schedule`` (``virtual`` stages a rank, interleaved); None without the model's shape. ``pp == 1`` is
     :func:`fusedist.plan.model.activation_bytes` (one micro-batch at a time)."""
@@ -101,9 +101,10 @@ def pipeline_activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, preci
         return None
     pp = max(1, min(pp, spec.layers))
     if pp == 1:
-        return stage_activation_bytes(spec, micro_batch, seq, precision, recompute, tp, 1, 1, "1f1b", 0)
+        return stage_activation_bytes(spec, micro_batch, seq, precision, recompute, tp, 1, 1, "1f1b", 0,
+                                      loss_parallel=loss_parallel)
     return max(stage_activation_bytes(spec, micro_batch, seq, precision, recompute, tp, pp, micro_batches,
-                                      schedule, stage, virtual) for stage in range(pp))
+                                      schedule, stage, virtual, loss_parallel) for stage in range(pp))
 
 
 def pipeline_schedule(spec: ModelSpec, micro_batch: int, seq: int, precision: str, tp: int, pp: int,

@@ -46,6 +46,9 @@ class Job:
     virtual_stages: int = 1  # pipeline stages a rank runs (the interleaved schedule)
     # the optimizer's param groups: "one", or "no-decay" (1-D tensors, norms and biases, in a group of their own)
     param_groups: str = "one"
+    # a vocabulary-parallel loss (Megatron's, torchtitan's loss_parallel): logits split by tensor parallelism;
+    # False: the output layer gathers them, whole on each tensor-parallel rank
+    loss_parallel: bool = True
 
     @property
     def ranks_per_node(self) -> int:
@@ -69,7 +72,7 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     # the micro-batches a step runs on each pipeline (Note [activations under pipeline parallelism])
     micro_batches = suggest.grad_accum(job.global_batch, job.micro_batch, dp)[0]
     act = pipeline_activation_bytes(spec, job.micro_batch, job.seq, job.precision, job.recompute, tp, pp,
-                                    micro_batches, job.pp_schedule, job.virtual_stages)
+                                    micro_batches, job.pp_schedule, job.virtual_stages, job.loss_parallel)
     units, outputs = _zero3_units(spec, tp, dp, ep)
     root = _root_params(spec, tp)
     temp_args = (strategy, shard_psi if held is None else held, job.precision, units, job.bucket_cap_mb,
@@ -315,6 +318,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         "recompute": job.recompute, "optimizer": job.optimizer, "convention": job.convention,
         "pp_schedule": job.pp_schedule,
         "param_groups": job.param_groups,
+        "loss_parallel": job.loss_parallel,
         **({"virtual_stages": job.virtual_stages} if job.pp_schedule == "interleaved" else {}),
         "gpu": dataclasses.asdict(hw),
         "assumptions": {
@@ -349,7 +353,11 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                             "suggested tensor parallelism; a suggested pipeline's fullest stage: its blocks times "
                             "the micro-batches it holds at once (1F1B: the first stage holds min(pp, micro-batches) "
                             "of them, GPipe: every stage all of them; Megatron's memory estimator; interleaved: "
-                            "the chunks torch's ScheduleInterleaved1F1B keeps alive on a rank at its peak)"),
+                            "the chunks torch's ScheduleInterleaved1F1B keeps alive on a rank at its peak); "
+                            + ("a vocabulary-parallel loss under tensor parallelism (Megatron's, torchtitan's "
+                               "loss_parallel: the fp32 logits split by tp)" if job.loss_parallel else
+                               "no vocabulary-parallel loss (--no-loss-parallel): the output layer gathers the "
+                               "logits, whole fp32 logits on each tensor-parallel rank")),
         },
     }
     if job.recompute == "full" and spec.has_shape:  # Note [the recomputed layer] in model.py
@@ -380,6 +388,12 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                 "(q_lora_rank) keep the same, a row of their width a token, and its up-projections "
                 "(kv_b_proj, q_b_proj) keep their inputs, those norms' outputs (in fp32 also the rotary "
                 "columns of kv_a_proj_with_mqa's output)")
+    if spec.has_shape and spec.moe:  # Note [routed tokens under tensor parallelism] in routed_bytes.py
+        inputs["assumptions"]["activations"] += (
+            "; under tensor parallelism a mixture's router runs on each rank's sequence-parallel tokens and its "
+            "dispatch gathers the group's tokens (Megatron-Core): each token-expert pair's gathered copy, expert "
+            "output and weight and two int64 sort indices whole on every rank, the experts' SwiGLU tensors split "
+            "by tp")
     if spec.windowed_layers(job.seq):
         inputs["assumptions"]["activations"] += ("; a sliding window stores the same tensors (the unfused "
                                                  "softmax is s x s whatever the mask)")

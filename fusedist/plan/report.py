@@ -96,9 +96,10 @@ _DATA_PARALLEL = {
 }
 
 
-def recipe(layout: dict) -> list:
+def recipe(layout: dict, loss_parallel: bool = True) -> list:
     """How to build a model-parallel ``layout`` with fusedist and torch: the mesh, tensor
-    parallelism, the data-parallel strategy, pipeline stages and their checkpoints."""
+    parallelism (and the loss the activations were counted with), the data-parallel strategy,
+    pipeline stages and their checkpoints."""
     dims = [(name, layout[name]) for name in ("pp", "dp", "tp") if layout[name] > 1 or name == "dp"]
     def tuple_of(items) -> str:
         return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
@@ -111,6 +112,10 @@ def recipe(layout: dict) -> list:
                    "before the data-parallel wrapping (a 2-D mesh); the plan counted: ColwiseParallel q/k/v, MLP up "
                    "and output layer, RowwiseParallel attention output, MLP down and embedding, SequenceParallel "
                    "norms, routers and latent attention's down-projections left whole (torchtitan's plans)")
+        out.append("  loss: " + ("vocabulary-parallel, the logits split by tp (torchtitan's loss_parallel(), the "
+                                 "output layer ColwiseParallel(use_local_output=False))" if loss_parallel else
+                                 "on whole logits (--no-loss-parallel): the output layer ColwiseParallel("
+                                 "output_layouts=Replicate()), whole fp32 logits on each tp rank"))
     out.append(f"  data parallelism ({layout['strategy']}): {_DATA_PARALLEL[layout['strategy']]}")
     if layout["pp"] > 1:
         group = 'mesh["dp", "tp"]' if layout["tp"] > 1 else 'mesh["dp"]'
@@ -202,7 +207,7 @@ def format_plan(plan: dict) -> str:
         out.append(f"suggestion: no data-parallel strategy fits; dp={lay['dp']} x tp={lay['tp']} x pp={lay['pp']} "
                    + (f"(ep={lay['ep']}) " if lay.get("ep", 1) > 1 else "")
                    + f"with {lay['strategy']} does ({_gb(lay['total_bytes'])} GB per GPU; tp within a node)")
-        out += recipe(lay)
+        out += recipe(lay, i.get("loss_parallel", True))
         out += _pipeline_lines(lay.get("pipeline"))
     elif lay and lay.get("ep", 1) != i.get("ep", 1):
         out.append(f"suggestion: no data-parallel strategy fits at ep={i.get('ep', 1)}; {lay['strategy']} with the "

@@ -72,3 +72,22 @@ def test_a_slice_that_runs_out_as_the_work_fails_raises_the_works_own_error():
     handle = _Handle(_Work(RuntimeError("Connection closed by peer")))
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         sliced_wait._wait_probed(handle, datetime.timedelta(seconds=30))
+
+
+class _FailingComm(_Comm):
+    """A work whose wait raises its own error once as it completes (a part mismatch found by its wait), and
+    whose second wait would return as if it had succeeded."""
+
+    def _wait_work(self, work, timeout):
+        work.waits += 1
+        if work.waits == 1:
+            work.done = True
+            raise RuntimeError("fusedist: the ranks' parts differ: rank 0: op max; rank 1: op sum")
+
+
+def test_a_slice_that_raised_the_works_own_error_raises_it_and_does_not_wait_again():
+    handle = _Handle(_Work())
+    handle._comm = _FailingComm()
+    with pytest.raises(RuntimeError, match="parts differ"):
+        sliced_wait._wait_probed(handle, datetime.timedelta(seconds=30))
+    assert handle._work.waits == 1

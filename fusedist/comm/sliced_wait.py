@@ -69,8 +69,10 @@ def _wait_probed(handle, waited: datetime.timedelta) -> None:
             try:
                 comm._wait_work(work, datetime.timedelta(seconds=piece))
                 return
-            except Exception:  # noqa: BLE001 - a slice that ran out, unless the work failed
-                if work.is_completed():  # Note [a slice that runs out as the work completes]
+            except Exception as exc:  # noqa: BLE001 - a slice that ran out, unless the work failed
+                from .base import _is_timeout  # (here: base imports this module)
+
+                if _is_timeout(exc) and work.is_completed():  # Note [a slice that runs out as the work completes]
                     comm._wait_work(work, datetime.timedelta(seconds=max(end - time.monotonic(), 1e-3)))
                     return
                 if not comm._wait_can_resume(work):
@@ -92,7 +94,9 @@ def _wait_probed(handle, waited: datetime.timedelta) -> None:
 # "cannot resume", and the slice's timeout was raised as the collective's failure, on this rank alone
 # (its peers had completed it): a StallError "timed out 0.0 s after its launch ... (still done)" on a
 # loaded machine, once a wait outlasted the probe's delay. A work completed by then is waited for once
-# more instead: that returns at once with its result, or raises its own error.
+# more instead: that returns at once with its result, or raises its own error. Only a slice that timed
+# out: a wait that raised the work's own error (a part mismatch found as it completed) raises that, as
+# a second wait of a work whose error was raised once may return as if it had succeeded.
 def _wait_watched(handle, waited: datetime.timedelta, delay: float) -> None:
     """Wait for ``handle``'s work in one call while the watcher thread probes it (Note [probing waits that
     cannot be sliced] in watched_wait.py); raise the probe's verdict where it ended the wait."""

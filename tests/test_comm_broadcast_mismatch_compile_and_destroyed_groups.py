@@ -17,6 +17,10 @@
   its communicator (Note [a released communicator lets go of its group] in
   fusedist/comm/released_group.py) --, and a dropped DDP wrapper whose step check is
   still pending (Note [a pending check holds its model weakly] in fusedist/reliability/engine_watch.py).
+  The destroy runs no garbage collection (Note [no collection inside the destroy] in fusedist/comm/__init__.py);
+  a finished collective never waited for lets go of the group at the destroy (Note [a finished collective never
+  waited for]), a TorchCommunicator built directly is released like a cached one (Note [a communicator built
+  directly]), and the exit hook frees a destroyed group that a reference cycle still holds.
 """
 
 import gc
@@ -227,6 +231,7 @@ def _rooted_objects_and_destroyed_groups(rank, world_size):
     out["after"] = broadcast_object(comm, {"from": rank}, 1, tag="config")
     x = torch.ones(3)
     world = weakref.ref(dist.group.WORLD)
+    gc.collect()  # (what earlier scenarios left in cycles -- a compiled function's caches -- is not this one's)
     gc.disable()  # (the held communicator lets go of the default group itself: no collection of the test's)
     try:
         dist.destroy_process_group()
@@ -361,6 +366,179 @@ def _dropped_wrapper_frees_its_engine(rank, world, features):
             "position": (position.get("ddp_step"), position.get("ddp_forwards"))}
 
 
+def _full_collections():
+    """A list the garbage collector appends to at the start of each full collection, and its remover."""
+    full = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(info)
+
+    gc.callbacks.append(count)
+    return full, lambda: gc.callbacks.remove(count)
+
+
+def _destroy_collects_nothing(rank, world):
+    """A DDP model and a ZeroRedundancyOptimizer over a subgroup, stepped, then ``destroy_process_group(subgroup)``
+    while the program holds both (as at the end of a training ``main``): the destroy runs no full collection (it
+    ran one, to free nothing: torch's destroy frame and the optimizer held the group, no cycle), and the group
+    goes as the program drops its objects."""
+    import time
+
+    from fusedist import DistributedDataParallel, ZeroRedundancyOptimizer
+
+    group = dist.new_group(list(range(world)))
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(8, 4), process_group=group)
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, process_group=group)
+    model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    opt.step()
+    held = weakref.ref(group)
+    full, stop_counting = _full_collections()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        dist.destroy_process_group(group)
+        destroy_s = time.perf_counter() - start
+        del group
+        collections = len(full)
+        del model, opt
+        freed = held() is None
+    finally:
+        gc.enable()
+        stop_counting()
+    return {"collections": collections, "destroy_s": destroy_s, "freed": freed}
+
+
+def _finished_handle_lets_go(rank, world):
+    """A DDP backward leaves its step check's all-reduce launched and unwaited (read at the next forward); the
+    group is destroyed before that forward: the finished collective's handle no longer holds it."""
+    from fusedist import DistributedDataParallel
+
+    group = dist.new_group(list(range(world)))
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group)
+    model(torch.randn(4, 4)).sum().backward()
+    pending = model.watch.step_check._pending is not None
+    held = weakref.ref(group)
+    gc.disable()  # (what the destroy frees, it frees itself: no collection of the test's)
+    try:
+        dist.destroy_process_group(group)
+        del group
+        alive = held() is not None
+    finally:
+        gc.enable()
+    return {"pending": pending, "alive": alive}
+
+
+def _built_directly_is_released(rank, world):
+    """A TorchCommunicator built directly (not by get_communicator), its exchange's progress thread used: the
+    destroy releases it -- the group freed, the thread stopped -- and it refuses collectives naming the destroy."""
+    import threading
+
+    from fusedist.comm import TorchCommunicator
+
+    group = dist.new_group(list(range(world)))
+    before = set(threading.enumerate())
+    comm = TorchCommunicator(group, gloo_collectives="p2p")
+    out = torch.empty(2)
+    comm.reduce_scatter(out, torch.full((2 * world,), float(rank + 1)), async_op=True).wait()
+    progress = [t for t in set(threading.enumerate()) - before if t.name == "fusedist-gloo-exchange"]
+    held = weakref.ref(group)
+    gc.disable()
+    try:
+        dist.destroy_process_group(group)
+        del group
+        alive = held() is not None
+    finally:
+        gc.enable()
+    try:
+        comm.all_reduce(torch.ones(3), tag="late")
+        late = "no error"
+    except RuntimeError as exc:
+        late = str(exc)
+    for t in progress:
+        t.join(timeout=10)
+    return {"sum": out.tolist(), "alive": alive, "released": comm.released, "late": late,
+            "progress_ended": bool(progress) and not any(t.is_alive() for t in progress)}
+
+
+def _default_group_initialized_again(rank, world):
+    """(After the rooted scenario: a default group of this rank alone.) torch's DDP and fusedist's DDP with a stage-2
+    ZeroRedundancyOptimizer over a default group, which is destroyed and initialized again: process groups compared
+    (None: the default group now; the destroyed one matches none), both models wrapped again by fusedist."""
+    from fusedist import DistributedDataParallel, ZeroRedundancyOptimizer
+    from fusedist.ddp.succession import same_ranks
+
+    if dist.is_initialized():  # (the rooted scenario was not selected)
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.manual_seed(0)
+    torch_net, net = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    torch_ddp = torch.nn.parallel.DistributedDataParallel(torch_net)
+    old = DistributedDataParallel(net)
+    opt = ZeroRedundancyOptimizer(old.parameters(), torch.optim.SGD, lr=0.1, stage=2)
+    old(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    destroyed = dist.group.WORLD
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    out = {"same_ranks": {}}
+    for name, a, b in (("None, new", None, dist.group.WORLD), ("destroyed, new", destroyed, dist.group.WORLD),
+                       ("destroyed, None", destroyed, None), ("destroyed, destroyed", destroyed, destroyed)):
+        try:
+            out["same_ranks"][name] = same_ranks(a, b)
+        except Exception as exc:  # noqa: BLE001 - the test names it
+            out["same_ranks"][name] = f"{type(exc).__name__}: {exc}"
+    try:
+        DistributedDataParallel(torch.nn.Sequential(torch_ddp))
+        out["around torch's"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["around torch's"] = f"{type(exc).__name__}: {exc}"
+    x = torch.randn(3, 4)
+    expected = torch.autograd.grad(net(x).square().sum(), list(net.parameters()))
+    try:
+        newer = DistributedDataParallel(net)
+        newer(x).square().sum().backward()
+        out["grads match"] = all(torch.allclose(p.grad, g) for p, g in zip(net.parameters(), expected))
+    except Exception as exc:  # noqa: BLE001
+        out["grads match"] = f"{type(exc).__name__}: {exc}"
+    try:
+        opt.step()
+        out["old step"] = "no error"
+    except RuntimeError as exc:
+        out["old step"] = str(exc)
+    dist.destroy_process_group()
+    return out
+
+
+def _exit_frees_a_group_a_cycle_holds(rank, world):
+    """(Last: its own default group, of this rank alone.) A group in use that a reference cycle holds, destroyed:
+    no collection at the destroy, and the exit hook's one collection frees it before the interpreter finalizes."""
+    from fusedist.comm import _drain_at_exit, get_communicator
+
+    if dist.is_initialized():  # (the rooted scenario was not selected)
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    get_communicator(None).all_reduce(torch.ones(2))
+    cycle = {"group": dist.group.WORLD}  # (as a ZeroRedundancyOptimizer in a cycle holds its process_group)
+    cycle["self"] = cycle
+    held = weakref.ref(dist.group.WORLD)
+    full, stop_counting = _full_collections()
+    gc.disable()
+    try:
+        dist.destroy_process_group()
+        del cycle
+        at_destroy = (len(full), held() is not None)
+        _drain_at_exit()  # what runs at interpreter exit
+        at_exit = (len(full), held() is not None)
+    finally:
+        gc.enable()
+        stop_counting()
+    return {"at_destroy": at_destroy, "at_exit": at_exit}
+
+
 SCENARIOS = {
     "test_collectives_called_from_a_compiled_function_match_eager": {
         "compiled": (fresh_compiler, (_compiled_collectives, 1)),
@@ -379,9 +557,21 @@ SCENARIOS = {
         "carried": (_dropped_wrapper_frees_its_engine, (200,)),
         "own_check": (_dropped_wrapper_frees_its_engine, (4,)),
     },
+    "test_a_destroy_runs_no_collection_and_lets_go_of_finished_and_directly_built_holders": {
+        "no_collection": (_destroy_collects_nothing, ()),
+        "finished_handle": (_finished_handle_lets_go, ()),
+        "built_directly": (_built_directly_is_released, ()),
+    },
     # (last: it destroys the default group)
     "test_rooted_object_exchanges_disagreeing_on_the_root_and_destroyed_groups_raise": {
         "rooted": (_rooted_objects_and_destroyed_groups, ()),
+    },
+    # (after it: default groups of their own)
+    "test_a_default_group_destroyed_and_initialized_again_matches_no_group_of_its_old_wrappers": {
+        "reinit": (_default_group_initialized_again, ()),
+    },
+    "test_the_exit_hook_frees_a_destroyed_group_a_reference_cycle_holds": {
+        "exit_cycle": (_exit_frees_a_group_a_cycle_holds, ()),
     },
 }
 
@@ -431,3 +621,37 @@ def test_a_dropped_ddp_wrapper_with_a_pending_step_check_frees_its_engine_at_onc
             assert out["carried"] is carried and out["pending"], f"{scenario}, rank {rank}: not the case meant: {out}"
             assert out["freed"], f"{scenario}, rank {rank}: the engine outlived its dropped wrapper"
             assert out["position"] == (1, 1), f"{scenario}, rank {rank}: the dropped model's position: {out}"
+
+
+def test_a_destroy_runs_no_collection_and_lets_go_of_finished_and_directly_built_holders(launched):
+    for rank, out in enumerate(results_of(launched, "no_collection")):
+        assert out["collections"] == 0, f"rank {rank}: the destroy ran {out['collections']} full collection(s)"
+        assert out["freed"], f"rank {rank}: the destroyed group outlived the model and optimizer holding it"
+    for rank, out in enumerate(results_of(launched, "finished_handle")):
+        assert out["pending"], f"rank {rank}: not the case meant (no step check left unwaited): {out}"
+        assert not out["alive"], f"rank {rank}: a finished, unwaited collective kept the destroyed group alive"
+    for rank, out in enumerate(results_of(launched, "built_directly")):
+        assert out["sum"] == [3.0, 3.0], f"rank {rank}: {out['sum']}"
+        assert out["released"] and not out["alive"], f"rank {rank}: the directly built communicator kept its group"
+        assert out["progress_ended"], f"rank {rank}: its exchange's progress thread outlived the destroy"
+        assert out["late"].startswith("fusedist all_reduce [late]"), out["late"]
+        assert "the process group of this communicator was destroyed" in out["late"], out["late"]
+
+
+def test_the_exit_hook_frees_a_destroyed_group_a_reference_cycle_holds(launched):
+    for rank, out in enumerate(results_of(launched, "exit_cycle")):
+        assert out["at_destroy"] == (0, True), f"rank {rank}: (collections, alive) after the destroy: {out}"
+        assert out["at_exit"] == (1, False), f"rank {rank}: (collections, alive) after the exit hook: {out}"
+
+
+def test_a_default_group_destroyed_and_initialized_again_matches_no_group_of_its_old_wrappers(launched):
+    for rank, out in enumerate(results_of(launched, "reinit")):
+        assert out["same_ranks"] == {"None, new": True, "destroyed, new": False, "destroyed, None": False,
+                                     "destroyed, destroyed": True}, f"rank {rank}: {out['same_ranks']}"
+        # torch's wrapper over the destroyed group: refused by name (was a bare KeyError naming the group object)
+        assert out["around torch's"].startswith("RuntimeError: fusedist.DistributedDataParallel"), out["around torch's"]
+        assert "torch's DistributedDataParallel" in out["around torch's"], out["around torch's"]
+        # the newer wrapper trains (its gradients: autograd's, world of one); it took over nothing of the old one's
+        assert out["grads match"] is True, f"rank {rank}: {out['grads match']}"
+        assert out["old step"].startswith("ZeroRedundancyOptimizer(stage=2)"), out["old step"]
+        assert "its DistributedDataParallel model's process group was destroyed" in out["old step"], out["old step"]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .base import CollectiveError, CommHandle, Communicator
+from . import released_group as _released_group
 from .released_group import is_alive as _is_registered  # (torch still has the group: not destroyed)
 from .torch_comm import TorchCommunicator
 from .._process_hooks import at_exit, chain_excepthook
@@ -79,7 +80,7 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
         group_ends.watch(_groups_forgotten)  # Note [when torch forgets a group] in group_ends.py
     # (at every lookup: after _process_hooks.uninstall() a communicator already in use is
     # drained at exit again once it is next used)
-    at_exit("drain in-flight exchanges", _drain_at_exit)  # Note [draining at exit]
+    _drain_at_exit_once()
     # Note [ending after given-up collectives] in given_up_exit.py
     chain_excepthook("end a process whose collectives were given up", given_up_exit.on_uncaught)
     comm = entry[1]
@@ -153,31 +154,87 @@ def _aborted_error(comm: Communicator) -> CollectiveError:
 # once in 150 two-rank runs whose last collective was a gloo broadcast; the core showed a
 # ProcessGroupGloo worker in ``~AsyncBroadcastWork`` -> ``decref_pyobject`` ->
 # ``take_gil``). So the destroy itself (Note [when torch forgets a group] in group_ends.py), every
-# lookup, and an atexit hook, drop the communicators of groups torch no longer has, stop their
-# helper threads, and collect the cycles that held them. (A group never destroyed stays torch's
+# lookup, and an atexit hook, drop the communicators of groups torch no longer has and stop their
+# helper threads; a lookup collects the cycles that held them, the destroy and the exit only where
+# one may (Note [no collection inside the destroy]). (A group never destroyed stays torch's
 # business, as without fusedist: call ``destroy_process_group()`` before exiting.)
+
+
+# Note [no collection inside the destroy]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The destroy's release ran one full collection whenever the released group was still alive after
+# it, which it always was: torch's ``destroy_process_group`` frame holds the group in a local while it
+# calls the hook that releases it (and a ZeroRedundancyOptimizer the program still holds keeps its
+# ``process_group``). Neither is a reference cycle, so the collection freed nothing that held the
+# group (only a communicator and its monitor, which refer to each other: the release unlinks them
+# now), yet it cost every ``destroy_process_group()`` 0.3-0.7 s once torch's compiler stack was
+# loaded (two-rank DDP + ZeroRedundancyOptimizer, gloo, 2-core CPU). So the destroy collects
+# nothing: it remembers the released groups weakly, the torch frame lets go as the destroy returns,
+# the program's references go as it drops its objects, and the exit hook collects only where a
+# remembered group is still alive then (Note [a released communicator that outlives the exit
+# hooks]) -- the one place where a cycle holding it would otherwise be freed too late.
 def release_destroyed_groups(collect: bool = True) -> int:
-    """Forget (and stop the helper threads of) the cached communicators whose process group
-    ``torch.distributed`` has destroyed; returns how many. Runs when torch destroys a group (Note
-    [when torch forgets a group] in group_ends.py), on every :func:`get_communicator` call and at
-    interpreter exit (at the first and the last with ``collect=False``: a
-    collection only where a released communicator outlived its release, Note [a released
-    communicator that outlives the exit hooks])."""
-    stale = [key for key, (group, _) in _cache.items() if not _is_registered(group)]
-    survivors = []
-    for key in stale:
+    """Forget (and stop the helper threads of) the communicators whose process group
+    ``torch.distributed`` has destroyed -- the cached ones and those built directly; returns how
+    many. Runs when torch destroys a group (Note [when torch forgets a group] in group_ends.py), on
+    every :func:`get_communicator` call and at interpreter exit; the first and the last with
+    ``collect=False``: no collection here (Note [no collection inside the destroy]), the exit hook's
+    own where a released group outlived it."""
+    stale = [_cache.pop(key) for key, (group, _) in list(_cache.items()) if not _is_registered(group)]
+    stale += [(comm._group_obj, comm) for comm in _released_group.unreleased(_cached())
+              if not _is_registered(comm._group_obj)]  # Note [a communicator built directly] in released_group.py
+    count = len(stale)
+    while stale:
         # Note [draining at exit]: nothing left running behind the release. The direct-NCCL
         # communicator also destroys its NCCL communicator here (one per rebuilt group would
         # otherwise leak) and hands its comm stream back.
-        group, comm = _cache.pop(key)
+        group, comm = stale.pop(0)
         _release(comm)
-        survivors.append(_weak(group))
-        del group, comm  # (no local name: it would hold the group through gc below)
-    if stale and (collect or any(ref() is not None for ref in survivors)):
-        # A DDP model or ZeRO optimizer and its communicator form reference cycles; collect
+        _remember_released(group)
+        group = comm = None  # (no local name: it would hold a group through gc below)
+    if count and collect:
+        # A DDP model or ZeRO optimizer and its communicator may form reference cycles; collect
         # them now, while the interpreter runs, rather than at its shutdown.
         gc.collect()
-    return len(stale)
+    return count
+
+
+def _cached() -> list:
+    return [comm for _, comm in _cache.values()]
+
+
+#: Weak references to the released groups that were alive at their release (Note [no collection
+#: inside the destroy]); the exit hook collects if one still is.
+_released_groups: list = []
+
+
+def _remember_released(group) -> None:
+    ref = _weak(group)
+    _released_groups[:] = [r for r in _released_groups if r() is not None]
+    if ref() is not None:
+        _released_groups.append(ref)
+
+
+def _collect_if_a_released_group_lives() -> bool:
+    """One full collection where a released group is still alive (Note [a released communicator that
+    outlives the exit hooks]); whether it ran."""
+    if not any(ref() is not None for ref in _released_groups):
+        _released_groups.clear()
+        return False
+    gc.collect()
+    _released_groups[:] = [r for r in _released_groups if r() is not None]
+    return True
+
+
+def _watch_communicator_built_directly() -> None:
+    """A communicator built outside :func:`get_communicator` is released when torch destroys its group and
+    drained at exit, as a cached one is (Note [a communicator built directly] in released_group.py)."""
+    group_ends.watch(_groups_forgotten)
+    _drain_at_exit_once()
+
+
+def _drain_at_exit_once() -> None:
+    at_exit("drain in-flight exchanges", _drain_at_exit)  # Note [draining at exit]
 
 
 def _groups_forgotten(aborted: bool) -> None:
@@ -204,8 +261,9 @@ def _weak(group):
 # communicator, and so the group) joins workers that need the GIL to drop their last work, and
 # the process aborts after the program finished ("terminate called without an active
 # exception": once in a fresh-clone run of the demo's DDP job). So the exit hook collects where
-# a released communicator's group is still alive after the release -- something still holds it --
-# and only there: a program whose groups went with their models pays nothing.
+# a released communicator's group is still alive -- released now, or by an earlier destroy (Note
+# [no collection inside the destroy]): something still holds it -- and only there: a program
+# whose groups went with their models pays nothing.
 
 
 # Note [draining at exit]
@@ -240,6 +298,11 @@ def _release(comm: Communicator) -> None:
             left(comm)
         except Exception:  # noqa: BLE001 - what it says is for the peers' reports; the release goes on
             pass
+    if not getattr(comm, "_holding_group", None):
+        # Nothing in flight is left to observe (Note [a finished collective never waited for] in
+        # released_group.py); the monitor refers back to its communicator, and that cycle was
+        # freed only by a collection (Note [no collection inside the destroy]).
+        comm.observer = None
 
 
 def _drain(comm: Communicator) -> None:
@@ -247,12 +310,13 @@ def _drain(comm: Communicator) -> None:
 
 
 def _drain_at_exit() -> None:
-    for _, comm in list(_cache.values()):
+    for comm in _cached() + _released_group.unreleased(_cached()):  # (those built directly too)
         if not given_up_exit.skips_waits(comm):
             comm.settle_at_exit(min(DRAIN_TIMEOUT_S, comm.timeout.total_seconds()))
         _drain(comm)
     comm = None  # (the loop's last one would hold its group through the release below)
     release_destroyed_groups(collect=False)
+    _collect_if_a_released_group_lives()
     from .watched_wait import stop_watcher
 
     stop_watcher()  # (its thread sleeps until a wait is due: nothing is left for it to probe)

@@ -20,6 +20,25 @@ Note [a released communicator lets go of its group]
     communicator reaches the group by a weak reference, for that alone; one nobody holds any more closed its
     connections as it went) and the group goes with the handle's hold. (Never ``None`` for the default
     group: after a new ``init_process_group()``, that is another group.)
+
+Note [a finished collective never waited for]
+    A collective launched with ``async_op=True`` whose handle is waited for later -- DDP's step check, read at
+    the next forward -- holds the group (Note [a released communicator lets go of its group]) until that wait.
+    When the group was destroyed between the two, its collective had long completed, yet the handle kept the
+    destroyed group alive until the next forward, or for good where none came (a program that destroys the
+    group and keeps its model until it exits). The release therefore also lets go of the group in every handle
+    of the communicator whose collective has completed: nothing is in flight that the group's destructor
+    would wait for, and the handle's later wait reads its finished work as before. A handle whose collective
+    is still running keeps the group, as above.
+
+Note [a communicator built directly]
+    ``fusedist.comm.TorchCommunicator`` is public: a program (or a framework) may build one for a group itself,
+    next to the one ``get_communicator`` caches. Only the cached ones were released when torch destroyed their
+    group: a communicator built directly kept the destroyed group alive while the program held it -- into the
+    interpreter's finalization where it was held at module scope -- and its exchange's progress thread ran on,
+    and at exit nothing drained it (Note [draining at exit] in __init__.py). So every TorchCommunicator is
+    tracked here, weakly (tracking keeps none alive), and the release and the exit drain treat the ones built
+    directly as they treat the cached ones.
 """
 
 from __future__ import annotations
@@ -30,6 +49,25 @@ from typing import Optional
 import torch.distributed as dist
 
 from .checks import _tag
+
+
+#: Every TorchCommunicator built, held weakly (Note [a communicator built directly]).
+_built: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def track(comm) -> None:
+    """``comm`` is released like a cached communicator once torch destroys its group (Note [a communicator built
+    directly])."""
+    _built.add(comm)
+    from . import _watch_communicator_built_directly  # (the package: it has the release and the exit drain)
+
+    _watch_communicator_built_directly()
+
+
+def unreleased(besides) -> list:
+    """The tracked communicators not released yet, other than those in ``besides`` (the cached ones)."""
+    cached = {id(comm) for comm in besides}
+    return [comm for comm in list(_built) if not comm.released and id(comm) not in cached]
 
 
 def is_alive(group) -> bool:
@@ -53,8 +91,22 @@ def let_go(comm) -> None:
             comm._released_group = None
     comm.released = True
     comm.group = comm._group_obj = None
+    _let_finished_handles_go(comm)
     if comm.exchange is not None:
         comm.exchange.group = None  # (its finished works hold none: Note [work references] in exchange_progress.py)
+
+
+def _let_finished_handles_go(comm) -> None:
+    """The handles of ``comm``'s completed collectives drop the group (Note [a finished collective never waited
+    for])."""
+    for handle in list(getattr(comm, "_holding_group", ())):
+        try:
+            finished = handle._group is None or handle.is_completed()
+        except Exception:  # noqa: BLE001 - a failed collective: its wait raises the error, with or without the group
+            finished = True
+        if finished:
+            handle._group = None
+            comm._holding_group.discard(handle)
 
 
 def held_elsewhere(comm) -> Optional[object]:

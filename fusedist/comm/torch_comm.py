@@ -75,6 +75,9 @@ class TorchCommunicator(Communicator):
         #: Whether it serves the default group (for messages, also once ``release()`` dropped the group) and whether
         #: it was released (Note [a released communicator lets go of its group] in released_group.py).
         self._on_default_group, self.released = process_group is None, False
+        #: Its collectives launched with ``async_op=True`` whose handles still hold the group (Note [a finished
+        #: collective never waited for] in released_group.py).
+        self._holding_group: "weakref.WeakSet" = weakref.WeakSet()
         super().__init__(dist.get_rank(process_group), dist.get_world_size(process_group), timeout)
         self.backend = dist.get_backend(process_group)
         self._seq = _SequenceCounter()
@@ -109,6 +112,7 @@ class TorchCommunicator(Communicator):
         elif "gloo" in str(self.backend):
             global_rank = (global_ranks(self) or range(self.world_size))[self.rank]
             self._closing = ClosedConnections(self._group_obj, global_rank)
+        released_group.track(self)  # Note [a communicator built directly] in released_group.py
 
     # Note [the exchange ends at the group's timeout]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -141,7 +145,10 @@ class TorchCommunicator(Communicator):
         if self.aborted:
             raise self._refusal(op, tag)
         self._launching_async = async_op  # (read by _all_reduce: Note [parts agreed before gloo's own all-reduce])
-        return super()._launch(op, tag, async_op, start, label, part, variant)
+        handle = super()._launch(op, tag, async_op, start, label, part, variant)
+        if handle._group is not None:
+            self._holding_group.add(handle)
+        return handle
 
     # Note [refusing collectives of a given-up communicator]
     # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -7,6 +7,7 @@ take-over reaches the consumers that follow a wrapper's buckets (ZeRO's sharded 
 from __future__ import annotations
 
 from .. import ownership
+from ..comm.released_group import is_alive
 from .agreement import LayoutAgreementCheck
 from .layout import layout_of
 from .strategy import AllReduceAverage
@@ -63,15 +64,39 @@ def take_over(older: list, newer) -> None:
 
 
 def same_ranks(a, b) -> bool:
-    """Whether process groups ``a`` and ``b`` span the same ranks (two wrappers' averages agree)."""
+    """Whether process groups ``a`` and ``b`` span the same ranks (two wrappers' averages agree). None is
+    the default group torch.distributed has now; a group it destroyed spans no ranks any more (Note [a
+    destroyed group in a comparison])."""
     import torch.distributed as dist
 
     if a is b:
         return True
+    if not (_live(a) and _live(b)):
+        return False
     try:
         return dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
     except (RuntimeError, ValueError):
         return False
+
+
+# Note [a destroyed group in a comparison]
+#     torch keeps the ranks of the groups it has; a group it destroyed is no longer among them, so asking
+#     for its ranks raised a bare KeyError naming the group object (a torch DistributedDataParallel built
+#     before destroy_process_group(), wrapped inside a fusedist wrapper after a new init_process_group(),
+#     failed the construction with it). It matches no live group: its collectives are refused whatever the
+#     ranks. A fusedist wrapper's ``process_group`` reads None once its group was destroyed, which
+#     same_ranks would read as the new default group: a newer wrapper over it took over the retired one's
+#     stage-2 buckets, and its backward failed on a reduce-scatter sized for the old world (re-initialized
+#     over other ranks) or reduced into the old optimizer's shards, leaving p.grad None (over the same
+#     ranks). So the wrappers are compared by their groups only while both live (``_can_follow``), and the
+#     old optimizer's refusal names the destroy.
+def _live(group) -> bool:
+    """Whether ``group`` (None: the default group) is one torch.distributed has now."""
+    import torch.distributed as dist
+
+    if group is None:
+        return dist.is_initialized()
+    return is_alive(group)
 
 
 def followers_of(reducer) -> list:
@@ -93,7 +118,10 @@ def _can_follow(old, newer) -> bool:
         return False
     if any(b.params and (b.params[0].dtype != b.dtype) for b in old.reducer.layout.buckets):
         return False  # converted since: the old buckets do not fit the parameters
-    return same_ranks(old.process_group, newer.process_group) and old.device == newer.device
+    old_group, new_group = old.process_group, newer.process_group
+    if old_group is None or new_group is None:  # Note [a destroyed group in a comparison]
+        return False
+    return same_ranks(old_group, new_group) and old.device == newer.device
 
 
 def _follow(old, newer) -> None:
@@ -158,11 +186,21 @@ def _refuse_stage2(old, newer) -> None:
         return
     # its shards no longer hold these gradients: a clip measures p.grad, the newer wrapper's average
     ownership.release([p for group in zero.param_groups for p in group["params"]], [zero])
+    module = type(newer.module).__name__
+    if old.process_group is None:  # Note [a destroyed group in a comparison]
+        how = ("its DistributedDataParallel model's process group was destroyed "
+               "(torch.distributed.destroy_process_group()) and its module was wrapped again by a newer "
+               f"DistributedDataParallel (of a module of type {module})")
+        then = ("Build a new ZeroRedundancyOptimizer over the newer wrapper's parameters (to go on from here, "
+                "load into it a consolidate_state_dict() saved before the destroy: the destroyed group can no "
+                "longer gather this one's shards)")
+    else:
+        how = ("its DistributedDataParallel model was wrapped again by a newer DistributedDataParallel (of a "
+               f"module of type {module}) over other parameters or ranks")
+        then = ("Build a new ZeroRedundancyOptimizer over the newer wrapper's parameters (load this one's "
+                "consolidate_state_dict() into it to go on from here), or wrap the same module with the same "
+                "trainable parameters, which this optimizer follows")
     zero._replaced = (
-        f"ZeroRedundancyOptimizer(stage=2) (rank {old.rank}): its DistributedDataParallel model was wrapped again "
-        f"by a newer DistributedDataParallel (of a module of type {type(newer.module).__name__}) over other "
-        "parameters or ranks, which now reduces their gradients into p.grad; this optimizer's gradient shards "
-        "follow the retired wrapper's buckets, which nothing reduces into any more, so it cannot be stepped. "
-        "Build a new ZeroRedundancyOptimizer over the newer wrapper's parameters (load this one's "
-        "consolidate_state_dict() into it to go on from here), or wrap the same module with the same "
-        "trainable parameters, which this optimizer follows")
+        f"ZeroRedundancyOptimizer(stage=2) (rank {old.rank}): {how}, which now reduces their gradients into "
+        "p.grad; this optimizer's gradient shards follow the retired wrapper's buckets, which nothing reduces "
+        f"into any more, so it cannot be stepped. {then}")

@@ -79,6 +79,8 @@ def _hooks_after_uninstall(rank, world):
     out["barrier restored"] = dist.barrier is torch_barrier and distributed_c10d.barrier is torch_barrier
     get_communicator()  # the same group's communicator, already cached: used again
     out["installed"] = hooks.installed()
+    out["cached: abort and barrier hooked again"] = (distributed_c10d._abort_process_group is not torch_abort
+                                                    and dist.barrier is not torch_barrier)
     # a new communicator installs the abort hook again: a whole-process abort closes and tells as before
     second = dist.new_group([0, 1])
     second_closing = get_communicator(second)._closing
@@ -117,6 +119,8 @@ def after_uninstall():
 def test_a_communicator_in_use_is_drained_at_exit_again_after_uninstall(after_uninstall):
     for out in after_uninstall:
         assert "drain in-flight exchanges" in out["installed"], out
+        assert "release a destroyed group: _unregister_process_group" in out["installed"], out
+        assert out["cached: abort and barrier hooked again"], out
 
 
 def test_uninstall_restores_torchs_abort_and_a_new_communicator_hooks_it_again(after_uninstall):

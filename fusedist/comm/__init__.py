@@ -77,9 +77,10 @@ def get_communicator(process_group=None, device: torch.device | str | None = Non
     if entry is None or entry[0] is not group_obj:
         comm = _cuda_factory(process_group, device) if use_nccl else TorchCommunicator(process_group)
         entry = _cache[key] = (group_obj, comm)
-        group_ends.watch(_groups_forgotten)  # Note [when torch forgets a group] in group_ends.py
     # (at every lookup: after _process_hooks.uninstall() a communicator already in use is
-    # drained at exit again once it is next used)
+    # drained at exit, released at its group's destroy and closed at its abort again once it is
+    # next used; each is one dictionary lookup once installed)
+    group_ends.watch(_groups_forgotten)  # Note [when torch forgets a group] in group_ends.py
     _drain_at_exit_once()
     # Note [ending after given-up collectives] in given_up_exit.py
     chain_excepthook("end a process whose collectives were given up", given_up_exit.on_uncaught)

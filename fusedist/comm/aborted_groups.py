@@ -66,9 +66,6 @@ def watch(closing) -> None:
         _watched.add(closing)
         _exchange_made = True
     install()
-    from . import barrier_closed  # (here: it imports this module)
-
-    barrier_closed.install()  # Note [a peer gone under torch's barrier] in barrier_closed.py
 
 
 def closing_of(group):
@@ -89,6 +86,12 @@ def install() -> None:
     from torch.distributed import distributed_c10d
 
     chain_module_function(_HOOK_KEY, distributed_c10d, "_abort_process_group", _wrapped)
+    with _lock:
+        exchange_made = _exchange_made
+    if exchange_made:
+        from . import barrier_closed  # (here: it imports this module)
+
+        barrier_closed.install()  # Note [a peer gone under torch's barrier] in barrier_closed.py
 
 
 def aborting() -> bool:

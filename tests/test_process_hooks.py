@@ -100,6 +100,10 @@ def _abort_and_read(store, rank, name, abort, closing, out) -> None:
 
     from fusedist.comm import aborted_groups
 
+    # both ranks have built the group and its communicator first (an abort while the peer's gloo still
+    # connected the group's mesh failed that peer's new_group with "Connection closed by peer")
+    store.set(f"hooks/{name}/ready/{rank}", b"")
+    store.wait([f"hooks/{name}/ready/{peer}" for peer in (0, 1)], datetime.timedelta(seconds=60))
     if rank == 1:
         abort()
         store.set(f"hooks/{name}/aborted", b"")

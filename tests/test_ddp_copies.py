@@ -1,9 +1,11 @@
 """copy.deepcopy of a fusedist.DistributedDataParallel model (Note [copies of the wrapper] in
-fusedist/ddp/wrapper.py): torch.optim.swa_utils.AveragedModel(model) averages as with torch DDP,
+fusedist/ddp/copies.py): torch.optim.swa_utils.AveragedModel(model) averages as with torch DDP,
 a copy trains as a wrapper of its own with the original's options, a copy made on one rank only
 issues no collective; a pickled model (``torch.save(model)``) loads into a model that trains as
 torch DDP's loaded one, over the default group only, as torch's (Note [a pickled wrapper] in
-fusedist/ddp/copies.py). Compared with torch DDP on 2 gloo ranks.
+fusedist/ddp/copies.py); copies keep the wrapper's own hooks, its buffer communication hook and
+a subclass's attributes, without running the subclass's ``__init__`` (Note [what a copy keeps]).
+Compared with torch DDP on 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import pickle
 import pytest
 import torch
 from torch import nn
+from torch.nn.parallel.distributed import _BufferCommHookLocation
 from torch.optim.swa_utils import AveragedModel
 
+import fusedist
 from fusedist.testing import run_distributed
 
 
@@ -64,6 +68,167 @@ def _worker(rank, world):
     out["options"] = (copied.config.bucket_cap_mb, copied.process_group is torch.distributed.group.WORLD)
     out["pickled"] = _pickled_models_train_as_torchs(rank)
     out["refused"] = _pickling_refused_as_torch_refuses_it()
+    out["hooks"] = _or_error(_hooks_kept_as_torchs, rank)
+    out["subclass"] = _or_error(_subclasses_copied_as_torchs, rank)
+    out["compiled in place"] = _or_error(_copy_of_a_model_compiled_in_place)
+    return out
+
+
+def _copy_of_a_model_compiled_in_place():
+    """The copy's forward with its own weights zeroed: the plain module's output is zero (torch's
+    copy keeps the original's compiled call and gives the original's output)."""
+    model = fusedist.DistributedDataParallel(nn.Linear(3, 2))
+    model.compile(backend="eager")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.module.weight.zero_()
+        twin.module.bias.zero_()
+    return twin(torch.ones(1, 3)).abs().max().item()
+
+
+def _or_error(fn, *args):
+    """``fn(*args)``, or its traceback: a failure fails its own test, not the shared launch."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - reported by the test
+        import traceback
+
+        return traceback.format_exc()
+
+
+_CALLS = []  # the hooks' calls, in order
+
+
+def _pre_hook(module, args):
+    _CALLS.append("forward pre")
+    return (args[0] + 1,)
+
+
+def _kwargs_pre_hook(module, args, kwargs):
+    _CALLS.append("forward pre (kwargs)")
+
+
+def _post_hook(module, args, out):
+    _CALLS.append("forward")
+    return out * 2
+
+
+def _backward_hook(module, grad_input, grad_output):
+    _CALLS.append("backward")
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata):
+    _CALLS.append("state_dict")
+    state_dict["step"] = torch.tensor(7)
+
+
+def _load_pre_hook(module, state_dict, prefix, *args):
+    _CALLS.append("load_state_dict pre")
+    state_dict.pop("step")
+
+
+def _load_post_hook(module, incompatible_keys):
+    _CALLS.append("load_state_dict post")
+
+
+def _averaging_buffer_hook(state, named_buffers):
+    """Averages the floating-point buffers instead of broadcasting rank 0's; counts its calls in ``state``."""
+    state.append(sorted(named_buffers))
+    _CALLS.append("buffer hook")
+    for buffer in named_buffers.values():
+        if buffer.is_floating_point():
+            torch.distributed.all_reduce(buffer)
+            buffer /= torch.distributed.get_world_size()
+
+
+def _hooked(cls):
+    model = cls(_net(), bucket_cap_mb=0.001)
+    model.register_forward_pre_hook(_pre_hook)
+    model.register_forward_pre_hook(_kwargs_pre_hook, with_kwargs=True)
+    model.register_forward_hook(_post_hook)
+    model.register_full_backward_hook(_backward_hook)
+    model.register_state_dict_post_hook(_state_dict_hook)
+    model.register_load_state_dict_pre_hook(_load_pre_hook)
+    model.register_load_state_dict_post_hook(_load_post_hook)
+    model.hook_state = []
+    model._register_buffer_comm_hook(model.hook_state, _averaging_buffer_hook, _BufferCommHookLocation.PRE_FORWARD)
+    model.note = "kept"
+    return model
+
+
+def _hooks_kept_as_torchs(rank):
+    """The wrapper's own hooks, its buffer hook and attributes, on a deep copy and on a loaded pickle."""
+    out = {}
+    for who, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        for how in ("deepcopy", "pickle"):
+            original = _hooked(cls)
+            _train(original, _batches(rank, 1))
+            original.require_backward_grad_sync = False
+            copied = copy.deepcopy(original) if how == "deepcopy" else _saved_and_loaded(original)
+            _CALLS.clear()
+            grad_sync = copied.require_backward_grad_sync
+            copied.require_backward_grad_sync = True
+            x, y = _batches(40 + rank, 1)[0]
+            loss = nn.functional.mse_loss(copied(x), y)
+            loss.backward()
+            state = copied.state_dict()
+            calls = list(_CALLS)
+            _CALLS.clear()
+            copied.load_state_dict(state)
+            # (fusedist's load_state_dict reads the wrapper's state_dict keys first, which runs its hook)
+            calls += [call for call in _CALLS if call != "state_dict"]
+            hook = copied.__dict__.get("buffer_hook")
+            out[who, how] = dict(
+                calls=calls, loss=loss.item(), grads=[p.grad.clone() for p in copied.parameters()],
+                buffers=[b.clone() for b in copied.buffers()], step=state["step"].item(), grad_sync=grad_sync,
+                attributes=(getattr(copied, "note", None), len(copied.hook_state) if hook else None,
+                            hook is not None and hook.buffer_comm_hook_state is copied.hook_state,
+                            copied.__dict__.get("hook_state") is not original.hook_state))
+    return out
+
+
+class _TorchSubclass(nn.parallel.DistributedDataParallel):
+    """A subclass whose ``__init__`` takes other arguments, adds attributes and a submodule."""
+
+    def __init__(self, module, tag, *, scale):
+        super().__init__(module, bucket_cap_mb=0.001)
+        self.tag, self.scale = tag, scale
+        self.extra = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.extra(super().forward(x) * self.scale)
+
+
+class _Subclass(fusedist.DistributedDataParallel):
+    """:class:`_TorchSubclass` over fusedist's wrapper."""
+
+    def __init__(self, module, tag, *, scale):
+        super().__init__(module, bucket_cap_mb=0.001)
+        self.tag, self.scale = tag, scale
+        self.extra = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.extra(super().forward(x) * self.scale)
+
+
+def _subclasses_copied_as_torchs(rank):
+    """A deep copy and a loaded pickle of a subclass keep its class, attributes and submodule, and train."""
+    out = {}
+    for who, cls in (("torch", _TorchSubclass), ("fusedist", _Subclass)):
+        for how in ("deepcopy", "pickle"):
+            torch.manual_seed(1)
+            original = cls(_net(), "tagged", scale=0.5)
+            copied = copy.deepcopy(original) if how == "deepcopy" else _saved_and_loaded(original)
+            g = torch.Generator().manual_seed(50 + rank)
+            opt = torch.optim.SGD(copied.module.parameters(), lr=0.1)  # (extra's weights: rank-local, fixed)
+            for _ in range(2):
+                opt.zero_grad()
+                copied(torch.randn(8, 6, generator=g)).square().mean().backward()
+                opt.step()
+            kept = (type(copied).__name__, copied.tag, copied.scale, copied.extra is not original.extra,
+                    sorted(copied.state_dict())[:2])
+            out[who, how] = dict(kept=kept,
+                                 params=[p.detach().clone() for p in copied.parameters()])
     return out
 
 
@@ -182,6 +347,42 @@ def test_a_pickled_model_loads_and_trains_as_torch_ddps_and_over_another_group_i
         assert "save model.module" in refused["fusedist"]
         assert "its process group was destroyed" in refused["destroyed"]
         assert "copy.copy(model)" in refused["shallow"] and "copy.deepcopy(model)" in refused["shallow"]
+
+
+def test_copies_keep_the_wrappers_hooks_and_attributes_as_torch_ddps(copies_launched):
+    """Forward pre/post, backward, state_dict and load_state_dict hooks registered on the wrapper,
+    the buffer hook (its state deep-copied or pickled with the model), no_sync's flag and an
+    attribute: kept by a deep copy and a pickle, as torch's DDP keeps them (its __dict__)."""
+    for out in copies_launched:
+        assert not isinstance(out["hooks"], str), out["hooks"]
+        for how in ("deepcopy", "pickle"):
+            ref, ours = out["hooks"]["torch", how], out["hooks"]["fusedist", how]
+            assert ours["calls"] == ref["calls"], (how, ours["calls"], ref["calls"])
+            assert "buffer hook" in ref["calls"] and "forward" in ref["calls"]
+            assert ours["attributes"] == ref["attributes"] == ("kept", 2, True, True), how  # (a call before the copy)
+            assert ours["step"] == ref["step"] == 7 and ours["grad_sync"] is ref["grad_sync"] is False
+            assert abs(ours["loss"] - ref["loss"]) <= 1e-6, how
+            for what in ("grads", "buffers"):
+                diff = max((a - b).abs().max().item() for a, b in zip(ref[what], ours[what]))
+                assert diff <= 1e-6, (how, what, diff)
+
+
+def test_a_subclass_with_its_own_init_copies_and_pickles_as_torch_ddps(copies_launched):
+    """torch builds a copy without the subclass's __init__ (its signature differs here); the class,
+    the attributes and the added submodule are kept, and the copy trains as torch's."""
+    for out in copies_launched:
+        assert not isinstance(out["subclass"], str), out["subclass"]
+        for how in ("deepcopy", "pickle"):
+            ref, ours = out["subclass"]["torch", how], out["subclass"]["fusedist", how]
+            assert ref["kept"][1:] == ours["kept"][1:] == ("tagged", 0.5, True, ["extra.bias", "extra.weight"]), how
+            assert (ref["kept"][0], ours["kept"][0]) == ("_TorchSubclass", "_Subclass")
+            diff = max((a - b).abs().max().item() for a, b in zip(ref["params"], ours["params"]))
+            assert diff <= 1e-6, (how, diff)
+
+
+def test_a_copy_of_a_model_compiled_in_place_runs_its_own_weights(copies_launched):
+    for out in copies_launched:
+        assert out["compiled in place"] == 0.0, out["compiled in place"]
 
 
 def _one_rank_copy_worker(rank, world):

@@ -265,6 +265,12 @@ def _refusals(rank, world_size):
             out[label] = None
         except (ValueError, TypeError, NotImplementedError, AssertionError) as e:
             out[label] = str(e)
+    try:
+        out["constructed"] = _constructed_through_the_class()
+    except Exception:  # noqa: BLE001 - reported by the test
+        import traceback
+
+        out["constructed"] = traceback.format_exc()
     with torch.device("meta"):
         pending = fusedist.replicate(_Net())
     try:
@@ -275,8 +281,62 @@ def _refusals(rank, world_size):
     return out
 
 
-def test_refusals_name_the_problem():
-    out = run_distributed(_refusals, 1)[0]
+def _constructed_through_the_class():
+    """``type(replicated)(...)`` (a container's slice, a script's ``type(model)()``) and ``copy.copy``
+    of a replicated module, by torch's replicates and fusedist's."""
+    from torch.distributed._composable.replicate import replicate as torch_replicate
+    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_fsdp_replicate
+
+    import fusedist
+
+    def built(replicate):
+        empty = type(replicate(nn.Sequential(nn.Linear(6, 3))))()
+        linear = type(replicate(nn.Linear(6, 3)))(6, 2)
+        try:
+            type(replicate(nn.Linear(6, 3)))()
+            missing = None
+        except TypeError as e:
+            missing = str(e)
+        x = torch.ones(1, 6)
+        return (type(empty).__name__, len(empty), torch.equal(empty(x), x), type(linear).__name__,
+                tuple(linear(x).shape), missing)
+
+    def shallow(replicate):
+        m = replicate(nn.Linear(6, 3))
+        twin = copy.copy(m)
+        return type(twin).__name__, twin.weight is m.weight, torch.equal(twin(torch.ones(1, 6)), m(torch.ones(1, 6)))
+
+    out = {"fusedist": built(fusedist.replicate), "torch": built(torch_fsdp_replicate)}
+    out["copy"] = (shallow(fusedist.replicate), shallow(torch_replicate))
+    try:  # torch's DDP-based replicate: an object of the original class whose __init__ never ran
+        out["torch ddp"] = built(torch_replicate)
+    except AttributeError as e:
+        out["torch ddp"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    """The refusals' and the constructions' scenarios share one launch of one rank."""
+    return run_distributed(_refusals, 1)[0]
+
+
+def test_constructing_through_a_replicated_class_builds_the_original_as_torchs_replicate(refusals):
+    """Before, ``type(m)()`` gave an object whose __init__ never ran (no ``_modules``), which
+    failed at its first use; now the original's __init__ runs, as with torch's FSDP-based
+    replicate (and FSDP2); copy.copy gives what torch's DDP-based replicate's gives."""
+    out = refusals["constructed"]
+    assert not isinstance(out, str), out
+    assert out["fusedist"] == out["torch"], out
+    assert out["fusedist"][:5] == ("Sequential", 0, True, "Linear", (1, 2))
+    assert "in_features" in out["fusedist"][5]
+    assert "has no attribute '_modules'" in out["torch ddp"]  # the reference whose __init__ never ran
+    ours, theirs = out["copy"]
+    assert ours == theirs == ("Linear", True, True)
+
+
+def test_refusals_name_the_problem(refusals):
+    out = refusals
     assert "already replicated" in out["twice"]
     assert "deep-copied" in out["deepcopy"]
     assert "replicated (fusedist.replicate)" in out["fully_shard after"]

@@ -15,6 +15,8 @@ Note [a buffer communication hook]
     when the forward goes on, the latest point torch guarantees too. ``model._sync_buffers()``
     is torch's way to run that synchronization now, outside a forward (a collective: every rank
     calls it). Not under ``join()``, where a joined rank cannot run the user's hook: refused there.
+    A deep copy or a loaded pickle of the model keeps the hook and its state, as torch's keep them
+    (Note [what a copy keeps] in copies.py).
 """
 
 from __future__ import annotations

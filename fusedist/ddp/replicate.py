@@ -305,13 +305,25 @@ class ReplicatedModule:
 
     def __new__(cls, *args, **kwargs):
         """A new instance of a replicated module's class -- a container's slice (``seq[1:]``,
-        ``layers[:2]``) is built by ``type(self)(...)`` -- is a module of the original class: it was
-        not replicated (a replicated one without an engine refused ``replicate`` as "already
-        replicated" and was left out of an enclosing replicated module's). torch's ``replicate``
-        returns the original class too, but uninitialized (calling it fails). Without arguments --
-        ``copy.copy`` and pickling make the object, then restore its state -- as torch's."""
-        original = cls.__mro__[2]  # (ReplicatedClass, ReplicatedModule, original, ...)
-        return original(*args, **kwargs) if args or kwargs else original.__new__(original)
+        ``layers[:2]``) is built by ``type(self)(...)``, a script's ``type(model)()`` -- is a module
+        of the original class built by its ``__init__`` with the arguments given, none included: it
+        was not replicated (a replicated one without an engine refused ``replicate`` as "already
+        replicated" and was left out of an enclosing replicated module's). As torch's FSDP-based
+        ``replicate`` and FSDP2 (Note [constructing through a sharded class] in
+        fusedist/fsdp/sharded_class.py); torch's DDP-based one returns the original class
+        uninitialized (``len()`` or a call fails on its missing ``_modules``). ``copy.copy`` constructs nothing:
+        :meth:`__copy__`."""
+        from ..fsdp.sharded_class import original_class
+
+        return original_class(cls, ReplicatedModule)(*args, **kwargs)
+
+    def __copy__(self):
+        """``copy.copy``: an object of the original class holding this module's attributes, as torch's
+        ``copy.copy`` of a replicated module gives (its engine state and hooks too: the copy's forwards
+        are the replicated module's)."""
+        from ..fsdp.sharded_class import shallow_copy
+
+        return shallow_copy(self, ReplicatedModule)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         """False: the backwards of the following forwards accumulate gradients locally, without

@@ -278,6 +278,8 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, BufferCommHooks,
         self.reducer.layout_listeners.append(LayoutAgreementCheck(self.comm))  # (Note [a dropped wrapper goes at once])
         if checks_enabled():
             optimizer_guard.install()
+        # what a copy does not take from the original (Note [what a copy keeps] in copies.py)
+        self._names_at_construction = frozenset(self.__dict__) | {"_names_at_construction"}
 
     def _retire(self, reason: str) -> None:
         """Stop reducing gradients for good: the hooks come off and a forward through this

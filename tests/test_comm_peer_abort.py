@@ -20,7 +20,8 @@
   gloo's with the collective and its size -- and, on the two groups a monitor watches, with what rank 1
   published there before its end: a crash, an early exit (before: gloo's bare "Connection closed by peer
   [address]").
-* Rank 1 aborts its groups (one subgroup, or all) while rank 0 waits in torch's ``dist.barrier``, and its process
+* Rank 1 aborts its groups (one subgroup, or all) while rank 0 waits in torch's ``dist.barrier`` (or in the work
+  of one with ``async_op=True``, which returns a work that completes while the peers are alive), and its process
   is killed while rank 0's barrier waits on a group of its own: rank 0's error names rank 1 and its abort, or
   that its process may have ended (before: gloo's bare "Connection closed by peer [address]", as torch's own
   barrier, run for reference, still says -- as promptly).
@@ -47,9 +48,10 @@ PROMPT_S = 8.0
 #: (gloo's own: over the exchange's 256 bytes)
 GLOO_NUMEL = 1 << 16
 SCENARIOS = ("sync", "async", "ddp bucket", "gloo all_reduce", "builtin all_reduce", "store record",
-             "builtin failure told", "barrier", "world barrier", "torch barrier", "process exit")
+             "builtin failure told", "barrier", "world barrier", "async barrier", "torch barrier", "process exit")
 #: the scenarios on a subgroup of their own, which alone they break (the default group goes on)
-SUBGROUP = ("sync", "gloo all_reduce", "builtin all_reduce", "builtin failure told", "barrier", "torch barrier")
+SUBGROUP = ("sync", "gloo all_reduce", "builtin all_reduce", "builtin failure told", "barrier", "async barrier",
+            "torch barrier")
 #: the timeout of rank 0's collective in "builtin failure told"
 SHORT_TIMEOUT_S = 1.0
 
@@ -113,7 +115,10 @@ def _collective(scenario: str, group, rank: int, torch_barrier):
         barrier = torch_barrier if scenario == "torch barrier" else dist.barrier
 
         def run():
-            barrier(group=group)
+            if scenario == "async barrier":  # (returns at once: its work's wait fails)
+                barrier(group=group, async_op=True).wait()
+            else:
+                barrier(group=group)
     elif scenario in ("gloo all_reduce", "builtin all_reduce"):
         from fusedist.comm.torch_comm import TorchCommunicator
 
@@ -150,6 +155,17 @@ def _peer_abort(rank, world):
         # (the subgroup scenarios on a group of their own, which alone is aborted: the default group goes on)
         group = dist.new_group([0, 1]) if scenario in SUBGROUP else None
         run = _collective(scenario, group, rank, torch_barrier)
+        if scenario == "async barrier":  # (ones that pair, on both ranks: fusedist's work in torch's place)
+            from fusedist.comm.barrier_closed import _ExplainedWork
+            from fusedist.comm.torch_comm import TorchCommunicator
+
+            work = dist.barrier(group=group, async_op=True)
+            alive = (isinstance(work, dist.Work), work.wait(), work.is_completed(), work.is_success())
+            measured.setdefault("async barrier alive", alive)
+            # (fusedist's own barrier on gloo's keeps torch's work: its handle tells its failure)
+            own = TorchCommunicator(group, gloo_collectives="builtin")._barrier(torch.zeros(1))
+            own.wait()
+            measured.setdefault("fusedist's own barrier wrapped", isinstance(own, _ExplainedWork))
         if scenario == "process exit":  # (gloo's own all-reduce in flight on groups of their own)
             in_flight = {told: _in_flight(dist.new_group([0, 1]), rank, told) for told in (None, "crash", "exit")}
             barrier_group = dist.new_group([0, 1])
@@ -305,15 +321,22 @@ def test_peer_killed_under_gloos_own_all_reduce_names_the_peer_and_the_collectiv
             f"torch.float32 per rank]: {why}") in error, error
 
 
-@pytest.mark.parametrize("scenario", ["barrier", "world barrier"])
+@pytest.mark.parametrize("scenario", ["barrier", "world barrier", "async barrier"])
 def test_peer_abort_under_torchs_barrier_names_the_peer(measured, scenario):
     """Note [a peer gone under torch's barrier] (fusedist/comm/barrier_closed.py): torch's barrier failed as
-    promptly, with gloo's bare "Connection closed by peer [address]" (the "torch barrier" reference)."""
+    promptly, with gloo's bare "Connection closed by peer [address]" (the "torch barrier" reference); with
+    ``async_op=True``, in its work's ``wait()`` (before: the bare words there, as torch's own async barrier
+    still says)."""
     seconds, error = measured[scenario]
     assert seconds < PROMPT_S, f"{scenario}: rank 0 failed after {seconds:.1f} s: {error}"
     assert ("fusedist: torch.distributed's barrier failed on rank 0 of 2: rank 1 closed the connection: it aborted "
             "its process groups (torch.distributed's _abort_process_group)") in error, error
     assert "Connection closed by peer" in error, error  # (gloo's words kept)
+
+
+def test_an_async_barrier_whose_peers_are_alive_returns_a_work_that_completes(measured):
+    assert measured["async barrier alive"] == (True, True, True, True), measured["async barrier alive"]
+    assert measured["fusedist's own barrier wrapped"] is False
 
 
 def test_torchs_own_barrier_fails_as_promptly_naming_no_rank(measured):

@@ -32,7 +32,7 @@ def _skip_then_leave_worker(rank, world_size):
     """Rank 1 skips the backward of step 2 of 4, so its last backward pairs with rank 0's
     third; then it leaves (its loop is over). Rank 0 reads the verdict at its fourth forward
     and must learn that the ranks diverged, although rank 1 is gone before the exchange of the
-    details (Note [verdict without details] in fusedist/reliability/step_check.py)."""
+    details (Note [verdict without details] in fusedist/reliability/step_check_text.py)."""
     import fusedist
 
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """A gradient changed on one rank after DDP averaged it (code between backward() and step()):
 the ranks ran the same steps and collectives, only their parameters differ, and the error
 says so -- it names gradients or weights changed on some ranks, not rank-dependent control
-flow (Note [parameters that differ after the same steps] in fusedist/reliability/step_check.py)."""
+flow (Note [parameters that differ after the same steps] in fusedist/reliability/step_check_text.py)."""
 
 from fusedist.reliability.step_check import FIELDS, render_bounds
 

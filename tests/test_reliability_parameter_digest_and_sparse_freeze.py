@@ -315,7 +315,7 @@ def test_swapped_or_sign_flipped_weight_on_one_rank_is_named_on_every_rank(launc
 # A gradient changed on one rank after DDP averaged it (code between backward() and step()): the
 # ranks ran the same steps and collectives, only their parameters differ, and the error says so --
 # it names gradients or weights changed on some ranks, not rank-dependent control flow (Note
-# [parameters that differ after the same steps] in fusedist/reliability/step_check.py).
+# [parameters that differ after the same steps] in fusedist/reliability/step_check_text.py).
 AFTER_REDUCE = "drifted apart after the reduce"
 CONTROL_FLOW = "rank-dependent control flow"
 

@@ -14,14 +14,25 @@ Note [a peer gone under torch's barrier]
     naming each closed peer with what it left in the store: that it aborted its groups (written before its
     connections closed), else its entry waited for a moment, else that it left no error (its process may
     have ended). Only the group's first failure is told so (after a failed exchange of fusedist's on the group,
-    its connections may be ones this rank closed itself), and a barrier with ``async_op=True`` fails in its
-    work's ``wait()``, which this does not reach.
+    its connections may be ones this rank closed itself).
+
+    A barrier with ``async_op=True`` returns at once and fails in its work's ``wait()`` (as promptly, with the
+    same bare words), which the wrapper does not reach; torch's work takes no attribute, so the wrapper returns
+    it inside a :class:`~torch.distributed.Work` of its own that hands every call to torch's and, where
+    ``wait()`` fails, tells the failure as above. While the peers are alive that is one small object per
+    asynchronous barrier and a call in between, nothing more. fusedist's own barrier on gloo's (a communicator
+    without the exchange) calls torch's barrier itself (:func:`torch_barrier`) and keeps torch's work: its handle
+    tells its failure (Note [a peer gone under gloo's own collective] in gloo_builtin_closed.py).
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import time
+import weakref
+
+from torch.distributed import Work
 
 from .._process_hooks import chain_module_function
 from . import aborted_groups
@@ -47,14 +58,81 @@ def install() -> None:
 def _wrapped(original):
     @functools.wraps(original)
     def barrier(*args, **kwargs):
+        group = kwargs["group"] if "group" in kwargs else (args[0] if args else None)
         try:
-            return original(*args, **kwargs)
+            work = original(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised as it was where no peer closed a connection
-            told = explained(kwargs["group"] if "group" in kwargs else (args[0] if args else None), exc)
+            told = explained(group, exc)
             if told is None:
                 raise
             raise told from exc
+        if not isinstance(work, Work):
+            return work  # (synchronous)
+        return _ExplainedWork(work, group)
+    global _torch_barrier
+    _torch_barrier = original
     return barrier
+
+
+#: torch's own barrier, once wrapped (fusedist's own barrier calls it: its handle tells its failure)
+_torch_barrier = None
+
+
+def torch_barrier():
+    """torch.distributed's barrier as torch defines it, without this module's wrapper."""
+    if _torch_barrier is not None:
+        return _torch_barrier
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d.barrier
+
+
+class _ExplainedWork(Work):
+    """An asynchronous barrier's work: torch's, whose failed ``wait()`` names the peers that closed their
+    connections (Note [a peer gone under torch's barrier])."""
+
+    def __init__(self, work: Work, group):
+        super().__init__()
+        # (weakly: a work the program keeps does not keep a destroyed group alive; None: the default group)
+        self._work, self._group = work, weakref.ref(group) if group is not None else None
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        try:
+            return self._work.wait(timeout)
+        except Exception as exc:  # noqa: BLE001 - re-raised as it was where no peer closed a connection
+            group = self._group() if self._group is not None else None
+            told = explained(group, exc) if group is not None or self._group is None else None
+            if told is None:
+                raise
+            raise told from exc
+
+    # (the rest is torch's work's own)
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+    def exception(self):
+        return self._work.exception()
+
+    def source_rank(self) -> int:
+        return self._work.source_rank()
+
+    def result(self):
+        return self._work.result()
+
+    def synchronize(self):
+        return self._work.synchronize()
+
+    def get_future(self):
+        return self._work.get_future()
+
+    def get_future_result(self):
+        return self._work.get_future_result()
+
+    def block_current_stream(self):
+        return self._work.block_current_stream()
 
 
 def explained(group, error: BaseException):

@@ -132,24 +132,42 @@ class CommHandle:
         except Exception as exc:  # noqa: BLE001 - backend errors come in many types
             if shortened and self._comm._wait_can_resume(self._work):
                 raise self._still_running(requested, exc) from exc
-            self._error = CollectiveError(
-                f"fusedist: {self.op} (tag {self.tag!r}, collective #{self.seq}) failed on rank "
-                f"{self._comm.rank} of {self._comm.world_size}{self._comm._global_note([self._comm.rank])}: "
-                f"{self._why(exc, requested if shortened else None)}",
-                op=self.op,
-                tag=self.tag,
-                rank=self._comm.rank,
-                seq=self.seq,
-            )
-            # [reliability] the observer may return a richer error (a stall report): raise that.
-            self._error = self._comm._on_failure(self, self._error) or self._error
-            self._group = None
-            raise self._error from exc
+            failure = self._outcome_once_completed(exc) if shortened else exc
+            if failure is not None:
+                self._fail(failure, requested if shortened else None)
         self._done = True
         self._work = self._group = None
         callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn()
+
+    def _outcome_once_completed(self, exc: Exception) -> Optional[Exception]:
+        """A shortened wait ran out (``exc``) and the work goes on, unless it completed meanwhile (the race of
+        Note [a slice that runs out as the work completes] in sliced_wait.py): then its own outcome, None for a
+        success, else its error -- not the wait's timeout as the collective's failure on this rank alone, its
+        peers done with it. Only where a wait that runs out leaves the work running (gloo, whose waits are
+        sliced or watched); the direct-NCCL communicator aborts its collective at a wait's timeout."""
+        comm, work = self._comm, self._work
+        leaves_running = comm._sliced_waits(work, True) or comm._watched_waits(work)
+        if not (_is_timeout(exc) and leaves_running and work.is_completed()):
+            return exc  # (a work's own error raised by the wait stands: a second wait may not raise it again)
+        try:
+            comm._wait_work(work, self._left())  # (returns, or raises, at once)
+        except Exception as own:  # noqa: BLE001 - the work's own failure
+            return own
+        return None
+
+    def _fail(self, exc: Exception, wait_timeout: Optional[datetime.timedelta]) -> None:
+        """Record the backend's ``exc`` as the collective's failure and raise it (the observer's richer error,
+        a stall report, where it gives one)."""
+        self._error = CollectiveError(
+            f"fusedist: {self.op} (tag {self.tag!r}, collective #{self.seq}) failed on rank "
+            f"{self._comm.rank} of {self._comm.world_size}{self._comm._global_note([self._comm.rank])}: "
+            f"{self._why(exc, wait_timeout)}", op=self.op, tag=self.tag, rank=self._comm.rank, seq=self.seq)
+        # [reliability] the observer may return a richer error (a stall report): raise that.
+        self._error = self._comm._on_failure(self, self._error) or self._error
+        self._group = None
+        raise self._error from exc
 
     def _left(self) -> datetime.timedelta:
         """What is left of the collective's deadline (at least a millisecond: torch's works

@@ -3,7 +3,7 @@
 Note [parameter check]
     The step check (Note [step check] in ``step_check.py``) compares where the ranks are, not
     what they hold: a rank that changes its gradients after they were averaged (Note [parameters
-    that differ after the same steps] in ``step_check.py``), changes a weight in place between
+    that differ after the same steps] in ``step_check_text.py``), changes a weight in place between
     steps, loads a checkpoint or steps its optimizer on its own (outside the step guard), or a
     model wrapped with ``init_sync=False`` from different values, trains on with replicas that
     differ -- torch's DDP averages the gradients and never looks at the parameters, so nothing

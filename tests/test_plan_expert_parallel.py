@@ -14,8 +14,8 @@ import pytest
 from fusedist.plan import Job, build_plan, from_hf_config, model_states, resolve_hardware
 from fusedist.plan import cli, comm
 from fusedist.plan.memory import STRATEGIES, temp_bytes
-from fusedist.plan.model import block_params, embedding_params, expert_params
-from fusedist.plan.param_tensors import param_tensors
+from fusedist.plan.model import embedding_params, expert_params
+from fusedist.plan.param_tensors import block_tensors, param_tensors
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_plan_configs import LLAMA3_8B, MIXTRAL_8X22B, MIXTRAL_8X7B, QWEN3_30B_A3B  # noqa: E402
@@ -126,8 +126,8 @@ def test_zero3_gathers_a_rank_s_experts(mixtral):
     """ZeRO-3 under ep gathers a block's dense part whole and its experts over the N/ep ranks
     holding them: 1/ep of them; the reduce-scatter's output is 1/N of the whole block."""
     n, ep = 64, 8
-    blocks = [block_params(mixtral, i, ep) for i in range(32)]
-    whole = block_params(mixtral, 0)
+    blocks = [sum(block_tensors(mixtral, i, ep)) for i in range(32)]  # the tensors a rank gathers
+    whole = sum(block_tensors(mixtral, 0))
     assert whole - blocks[0] == EXPERTS // 32 * 7 // 8
     root = embedding_params(mixtral)
     expected = temp_bytes("zero3", PSI, "bf16", blocks, 25, 1e9, root_params=root, n=n,

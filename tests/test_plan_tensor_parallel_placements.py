@@ -342,3 +342,167 @@ def test_without_a_vocabulary_parallel_loss_a_rank_keeps_whole_logits(tp_mesh, d
         assert cli.main(shape + flags) == 0
         out = capsys.readouterr().out
         assert " x tp=" in out and said in out, out
+
+
+class _GatherInsideLinear(torch.autograd.Function):
+    """Megatron-LM's column-parallel layer under sequence parallelism, forward only (what it saves is
+    what is measured): the input's sequence shard all-gathered inside the layer and the shard saved for
+    the weight gradient, which Megatron's backward gathers again."""
+
+    @staticmethod
+    def forward(ctx, shard, weight, bias, mesh):
+        import torch.distributed._functional_collectives as funcol
+        import torch.nn.functional as F
+
+        ctx.save_for_backward(shard, weight)
+        gathered = funcol.all_gather_single(shard.transpose(0, 1).contiguous(), 0, mesh).wait().transpose(0, 1)
+        return F.linear(gathered, weight, bias)
+
+
+class _MegatronColumn(torch.nn.Module):
+    """A ColwiseParallel layer's column-split weight run as Megatron-LM runs it (:class:`_GatherInsideLinear`)."""
+
+    def __init__(self, linear, mesh):
+        super().__init__()
+        self.weight, self.bias, self.mesh = linear.weight, linear.bias, mesh
+
+    def forward(self, x):
+        bias = None if self.bias is None else _local(self.bias)
+        return _GatherInsideLinear.apply(_local(x), _local(self.weight), bias, self.mesh)
+
+
+def _sequence_parallel_model(spec: ModelSpec, mesh, dtype, style: str):
+    """The measured model's blocks, final norm and output layer under torchtitan's Llama plan (norms
+    SequenceParallel, the column-parallel layers' inputs redistributed from Shard(1) to Replicate, the
+    row-parallel outputs reduce-scattered to Shard(1), the output layer vocabulary-parallel), or with its
+    column-parallel layers run as Megatron-LM's (``style`` "megatron")."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    model = Transformer(spec).to(dtype)
+    plan = {"norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    for i, block in enumerate(model.blocks):
+        at = f"blocks.{i}."
+        plan.update({at + "norm1": SequenceParallel(), at + "norm2": SequenceParallel(),
+                     at + "qkv": ColwiseParallel(input_layouts=Shard(1)),
+                     at + "fc": ColwiseParallel(input_layouts=Shard(1)),
+                     at + "proj": RowwiseParallel(output_layouts=Shard(1)),
+                     at + "out": RowwiseParallel(output_layouts=Shard(1))})
+        block.heads, block.kv, block.q_dim, block.kv_dim = (n // TP for n in (block.heads, block.kv, block.q_dim,
+                                                                                block.kv_dim))  # a rank's heads
+    parallelize_module(model, mesh, plan)
+    if style == "megatron":
+        for block in model.blocks:
+            block.qkv, block.fc = _MegatronColumn(block.qkv, mesh), _MegatronColumn(block.fc, mesh)
+        model.head = _MegatronColumn(model.head, mesh)
+    return model
+
+
+def _saved_through(model, run) -> int:
+    """Rank 0's bytes of the distinct storages autograd saves while ``run()`` runs, parameters left out."""
+    import torch.distributed._functional_collectives as funcol
+
+    params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        local = _local(t)
+        if isinstance(local, funcol.AsyncCollectiveTensor):
+            local = local.wait()
+        st = local.untyped_storage()
+        if st.data_ptr() not in params and st.nbytes():
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(seen.values())
+
+
+def _blocks_and_output_on_rank(spec: ModelSpec, mesh, dtype, style: str, b: int, s: int) -> tuple:
+    """Bytes rank 0 saves through the blocks, and through the final norm and output layer, from its
+    ``1/TP`` of the sequence."""
+    model = _sequence_parallel_model(spec, mesh, dtype, style)
+    x = torch.randn(b, s // TP, spec.hidden, dtype=dtype, requires_grad=True)
+    out = {}
+
+    def blocks():
+        y = x
+        for block in model.blocks:
+            y = block(y)
+        out["y"] = y.detach().requires_grad_()
+        y.float().sum()
+    blocks_bytes = _saved_through(model, blocks)
+    return blocks_bytes, _saved_through(model, lambda: _local(model.head(model.norm(out["y"]))).float().sum())
+
+
+_STYLED = {"llama_biases": dict(arch="llama", layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=48, seq=8, vocab=16,
+                                qkv_bias=True, out_bias=True, mlp_bias=True),
+           "gpt_untied": dict(arch="gpt", layers=2, hidden=32, heads=4, seq=8, vocab=16, tied=False)}
+
+
+@DTYPES
+@pytest.mark.parametrize("name", list(_STYLED))
+def test_torchtitan_s_column_parallel_layers_keep_their_gathered_inputs(tp_mesh, name, dtype):
+    """torch's ColwiseParallel on a sequence-sharded input saves the all-gathered input for the weight
+    gradient, Megatron-LM's layer the shard: under --tp-style torchtitan a rank keeps q/k/v's, the MLP's and
+    the output layer's inputs whole (the planner counted Megatron's 1/t for torchtitan's plans too)."""
+    from fusedist.plan.hardware import PRESETS
+    from fusedist.plan.plan import Job, _memory_entry
+
+    torch.manual_seed(0)
+    b, s = 2, 8
+    spec = ModelSpec(**_STYLED[name])
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    (tt_blocks, tt_out), (mg_blocks, mg_out) = (_blocks_and_output_on_rank(spec, tp_mesh, dtype, style, b, s)
+                                                for style in ("torchtitan", "megatron"))
+    one_block, output = (tt_blocks - mg_blocks) // spec.layers, tt_out - mg_out
+    assert one_block * spec.layers == tt_blocks - mg_blocks
+    word = 2 if dtype == torch.bfloat16 else 4
+    assert (one_block, output) == (2 * word * b * s * 32 // TP, word * b * s * 32 // TP)  # the Note's (t - 1)/t
+
+    def figures(style):
+        return {r: activation_bytes(spec, b, s, precision, r, tp=TP, tp_style=style)
+                for r in ("none", "selective", "full")}
+    tt, mg = figures("torchtitan"), figures("megatron")
+    for recompute in ("none", "selective"):
+        assert tt[recompute] - mg[recompute] == spec.layers * one_block + output, recompute
+    # full recomputation stores each block's input shard; the block it recomputes keeps its gathered inputs
+    assert tt["full"] - mg["full"] == one_block + output
+    assert (recomputed_layer_bytes(spec, b, s, precision, "full", TP, "torchtitan")
+            - recomputed_layer_bytes(spec, b, s, precision, "full", TP)) == one_block
+    # a pipeline of two stages, one block each, 1F1B over two micro-batches: the first holds two micro-batches' block
+    held = [[stage_activation_bytes(spec, b, s, precision, "none", TP, 2, 2, "1f1b", stage, tp_style=style)
+             for style in ("torchtitan", "megatron")] for stage in (0, 1)]
+    assert [t - m for t, m in held] == [2 * one_block, one_block + output]
+    # a job's figure, and nothing to gather on one rank
+    entries = [_memory_entry(spec, 0, Job(gpus=TP, micro_batch=b, seq=s, precision=precision, tp_style=style),
+                             PRESETS["h100"], "ddp", 1, tp=TP)["activation_bytes"]
+               for style in ("torchtitan", "megatron")]
+    assert entries[0] - entries[1] == spec.layers * one_block + output
+    assert (activation_bytes(spec, b, s, precision, "none", tp_style="torchtitan")
+            == activation_bytes(spec, b, s, precision, "none"))
+
+
+def test_the_tp_style_option_says_what_it_counts_and_refuses_what_it_does_not(capsys):
+    """--tp-style torchtitan shows in the plan's assumptions and recipe; a mixture of experts or latent
+    attention, whose torchtitan plans gather more than the Note counts, is refused naming the option."""
+    import dataclasses
+
+    from fusedist.plan import Job, build_plan, cli
+    from fusedist.plan.errors import PlanError
+    from fusedist.plan.hardware import PRESETS
+
+    shape = ["--arch", "llama", "--layers", "80", "--hidden", "8192", "--heads", "64", "--kv-heads", "8",
+             "--ffn-hidden", "28672", "--vocab", "32000", "--seq", "3072", "--gpus", "64", "--recompute", "selective"]
+    for flags, said in (([], "counted as Megatron-LM keeps them"),
+                        (["--tp-style", "torchtitan"], "counted as torch's ColwiseParallel keeps them")):
+        assert cli.main(shape + flags) == 0
+        out = capsys.readouterr().out
+        assert " x tp=" in out and said in out, out
+    job = Job(gpus=8, micro_batch=1, seq=8, tp_style="torchtitan")
+    for name, what in (("latent_attention_and_experts", "a mixture of experts"),
+                       ("latent_attention_full_q", "latent attention")):
+        with pytest.raises(PlanError, match=f"--tp-style: .*not {what} .*use --tp-style megatron"):
+            build_plan(ModelSpec(**_SPECS[name]), job, PRESETS["h100"])
+        build_plan(ModelSpec(**_SPECS[name]), dataclasses.replace(job, tp_style="megatron"), PRESETS["h100"])

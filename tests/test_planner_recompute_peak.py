@@ -149,3 +149,23 @@ def test_the_recomputed_layer_is_the_largest_block():
         largest_on_rank = max(dense // 2, moe_on_rank)
         assert recomputed_layer_bytes(spec, b, s, "bf16", "full", tp=2) == largest_on_rank
         assert activation_bytes(spec, b, s, "bf16", "full", tp=2) == stored // 2 + largest_on_rank
+
+
+def test_a_mixture_without_dense_blocks_recomputes_an_moe_block():
+    """Every block a mixture of experts (no dense_layers): the recomputed layer is an MoE block's,
+    whatever ``ffn_hidden`` says of a dense MLP the model does not have (the planner took the larger of
+    an MoE and a dense block, so a wide ffn_hidden set the peak: 2.4x the MoE block here)."""
+    from fusedist.plan.torch_model import Transformer
+
+    s, b = 512, 1
+    moe = dict(arch="llama", hidden=256, heads=4, kv_heads=2, seq=s, vocab=11, experts=8, experts_per_token=2,
+               expert_ffn=128)
+    # one MoE block as it is stored without recomputation, less the embedding's and the output layer's side
+    outside = s * b * 256 + (6 * 256 + 4 + 2 * 256) * s * b + 4 * s * b * 11
+    one_moe = activation_bytes(ModelSpec(**moe, layers=1, ffn_hidden=64), b, s, "bf16", "none") - outside
+    moe_whole = s * b * 2 * (2 * (2 * 256 + 1) + 16)  # the routed pairs a tensor-parallel rank keeps whole
+    for ffn in (64, 4096):
+        spec = ModelSpec(**moe, layers=4, ffn_hidden=ffn)
+        assert all(block.experts is not None for block in Transformer(spec).blocks)  # no dense MLP built
+        assert recomputed_layer_bytes(spec, b, s, "bf16", "full") == one_moe, ffn
+        assert recomputed_layer_bytes(spec, b, s, "bf16", "full", tp=2) == (one_moe - moe_whole) // 2 + moe_whole

@@ -19,6 +19,7 @@ from .hf_config import HF_MODEL_TYPES, MAX_LAYERS, config_key, from_hf_config
 from .model import ARCHS, ModelSpec, count_params, validate
 from .pipeline import SCHEDULES
 from .plan import PARAM_GROUPS, Job, build_plan, check_expert_parallel
+from .tp_style import TP_STYLES
 
 PROG = "python -m fusedist.plan"
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -147,6 +148,11 @@ def parser() -> argparse.ArgumentParser:
                    help="a suggested tensor-parallel layout's loss is not vocabulary-parallel: the output layer "
                         "gathers the logits, whole fp32 logits on each tp rank (torchtitan without loss_parallel); "
                         "default: split by tp (Megatron's, torchtitan's loss_parallel)")
+    j.add_argument("--tp-style", type=_choice, default="megatron", choices=TP_STYLES,
+                   help="whose tensor parallelism a suggested tp layout's activations follow: megatron (default; a "
+                        "column-parallel layer saves its input's sequence shard) or torchtitan (torch's "
+                        "ColwiseParallel saves the gathered input: q/k/v's, the MLP's and the output layer's whole "
+                        "on each tp rank; dense blocks only)")
     h = p.add_argument_group("hardware")
     h.add_argument("--gpu", default="h100", help=f"{', '.join(hardware.CHOICES)} (default h100)")
     h.add_argument("--gpu-memory-gb", type=_real)
@@ -305,7 +311,7 @@ def job_of(args, spec: ModelSpec, gpus: int) -> Job:
                bucket_cap_mb=args.bucket_cap_mb, scratch_gb=args.scratch_gb, ref_lr=args.ref_lr,
                ref_batch=args.ref_batch, seq_from_config=args.seq is None, ep=args.ep,
                pp_schedule=args.pp_schedule, virtual_stages=virtual, param_groups=args.param_groups,
-               loss_parallel=args.loss_parallel)
+               loss_parallel=args.loss_parallel, tp_style=args.tp_style)
 
 
 def _virtual_stages(args) -> int:

@@ -25,7 +25,8 @@ Note [interleaved 1F1B as torch runs it]
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from fractions import Fraction
+from typing import Callable, Optional, Union
 
 
 def rounds(pp: int, micro_batches: int) -> tuple[int, int]:
@@ -63,9 +64,11 @@ def _done(ops: int, local: int, virtual: int, per_round: int) -> int:
     return whole * per_round + min(max(rest - local * per_round, 0), per_round)
 
 
-def peak_held(rank: int, pp: int, virtual: int, micro_batches: int, chunk_bytes: Callable[[int], int]) -> int:
+def peak_held(rank: int, pp: int, virtual: int, micro_batches: int,
+              chunk_bytes: Callable[[int], Union[int, Fraction]]) -> Union[int, Fraction]:
     """The most bytes ``rank`` holds at once: ``chunk_bytes(local)`` for each micro-batch alive on
-    its local stage ``local``, after each forward over one period of the schedule."""
+    its local stage ``local``, after each forward over one period of the schedule; exact (a Fraction
+    where the chunks are: a tensor-parallel rank's share is rounded once, after the sum)."""
     _, per_round = rounds(pp, micro_batches)
     warm = warmup_forwards(rank, pp, virtual, micro_batches)
     sizes = [chunk_bytes(local) for local in range(virtual)]

@@ -103,6 +103,7 @@ from .errors import PlanError
 from .latent_bytes import latent_projection_bytes
 from .norm_bytes import block_norm_bytes, block_norm_weight_bytes, final_norm_bytes, final_norm_weight_bytes
 from .routed_bytes import routed_pair_bytes
+from .tp_style import gathered_block_inputs, gathered_output_input
 
 ARCHS = ("gpt", "llama")  # the shape flags' --arch
 BLOCKS = (*ARCHS, "falcon")  # and what a config.json may give
@@ -307,18 +308,6 @@ def expert_params(spec: ModelSpec) -> int:
     return spec.moe_layers * spec.experts * _swiglu_params(spec.hidden, spec.expert_ffn)
 
 
-def block_params(spec: ModelSpec, i: int, ep: int = 1) -> int:
-    """Parameters of block ``i`` one rank holds when gathered: a dense block's MLP, or 1/ep of
-    an MoE block's routed experts (the rest of the block whole)."""
-    n = layer_params(spec)
-    if not spec.moe:
-        return n
-    if spec.is_moe_block(i):
-        routed = spec.experts * _swiglu_params(spec.hidden, spec.expert_ffn)
-        return n - routed + routed // ep
-    return n - _moe_params(spec, spec.experts) + _swiglu_params(spec.hidden, spec.ffn, spec.mlp_bias)
-
-
 def _all_layers(spec: ModelSpec, active: bool) -> int:
     total = spec.layers * layer_params(spec, active)
     if spec.moe and spec.dense_layers:  # those blocks' MLP is a dense one of ffn
@@ -385,7 +374,7 @@ def attention_flops_per_token(spec: ModelSpec, seq: int) -> int:
 
 
 def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
-                     tp: int = 1, loss_parallel: bool = True) -> Optional[int]:
+                     tp: int = 1, loss_parallel: bool = True, tp_style: str = "megatron") -> Optional[int]:
     """Activation memory of one micro-batch held for the backward pass, in bytes.
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
@@ -420,7 +409,8 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     its whole replicated norm weight (:func:`tp_share`), for a mixture's routed token-expert pairs
     (Note [routed tokens under tensor parallelism]) and, without ``loss_parallel`` (a vocabulary-
     parallel loss: Megatron's, torchtitan's ``loss_parallel``), for the logits, which each rank then
-    holds whole (:func:`logit_bytes`). fp32 activations: the 2-byte tensors
+    holds whole (:func:`logit_bytes`), and under torchtitan's ``tp_style`` for the column-parallel layers'
+    gathered inputs (Note [what a column-parallel layer keeps] in tp_style.py). fp32 activations: the 2-byte tensors
     double, the masks (and an RMSNorm's fp32 rows and rstd) stay.
     Unfused attention: with flash attention the ``5·a·s²·b`` term is not stored, about the
     selective figure without recomputation. Per token, a mixture-of-experts block keeps the
@@ -438,9 +428,10 @@ def activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str
     dense, moe = _block_bytes(spec, b, s, precision, recompute)
     layers = spec.layers * dense + (spec.moe_layers * (moe - dense) if spec.moe else 0)
     outside = input_side_bytes(spec, b, s) + output_side_bytes(spec, b, s, precision)
-    whole = sum(block_whole_bytes(spec, i, b, s, precision, recompute) for i in range(spec.layers))
-    whole += output_whole_bytes(spec, b, s, precision, loss_parallel)
-    return tp_share(layers + outside, whole, tp) + recomputed_layer_bytes(spec, b, s, precision, recompute, tp)
+    whole = sum(block_whole_bytes(spec, i, b, s, precision, recompute, tp_style) for i in range(spec.layers))
+    whole += output_whole_bytes(spec, b, s, precision, loss_parallel, tp_style)
+    return (tp_share(layers + outside, whole, tp)
+            + recomputed_layer_bytes(spec, b, s, precision, recompute, tp, tp_style))
 
 
 def tp_share(nbytes: int, whole: int, tp: int) -> int:
@@ -450,21 +441,25 @@ def tp_share(nbytes: int, whole: int, tp: int) -> int:
     return (nbytes - whole) // tp + whole
 
 
-def block_whole_bytes(spec: ModelSpec, i: int, micro_batch: int, seq: int, precision: str, recompute: str) -> int:
+def block_whole_bytes(spec: ModelSpec, i: int, micro_batch: int, seq: int, precision: str, recompute: str,
+                      tp_style: str = "megatron") -> int:
     """What block ``i`` keeps for backward that tensor parallelism does not split: Gemma's fp32
-    ``1 + weight`` of each norm and a mixture's routed token-expert pairs (Note [routed tokens under
-    tensor parallelism]); none stored under full recomputation, which keeps the block's input."""
+    ``1 + weight`` of each norm, a mixture's routed token-expert pairs (Note [routed tokens under
+    tensor parallelism]) and torchtitan's gathered inputs (Note [what a column-parallel layer keeps]
+    in tp_style.py); none stored under full recomputation, which keeps the block's input."""
     if recompute == "full":
         return 0
     pairs = routed_pair_bytes(spec, micro_batch * seq, precision) if spec.is_moe_block(i) else 0
-    return block_norm_weight_bytes(spec) + pairs
+    return block_norm_weight_bytes(spec) + pairs + gathered_block_inputs(spec, micro_batch, seq, precision, tp_style)
 
 
-def output_whole_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, loss_parallel: bool) -> int:
-    """What the last stage keeps whole on each tensor-parallel rank: Gemma's final fp32 ``1 + weight``
-    and, without a vocabulary-parallel loss, the logits (:func:`logit_bytes`)."""
+def output_whole_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, loss_parallel: bool,
+                       tp_style: str = "megatron") -> int:
+    """What the last stage keeps whole on each tensor-parallel rank: Gemma's final fp32 ``1 + weight``,
+    without a vocabulary-parallel loss the logits (:func:`logit_bytes`), and under torchtitan's style
+    the output layer's gathered input (Note [what a column-parallel layer keeps] in tp_style.py)."""
     logits = 0 if loss_parallel else logit_bytes(spec, micro_batch, seq, precision)
-    return final_norm_weight_bytes(spec) + logits
+    return final_norm_weight_bytes(spec) + logits + gathered_output_input(spec, micro_batch, seq, precision, tp_style)
 
 
 def block_activation_bytes(spec: ModelSpec, i: int, micro_batch: int, seq: int, precision: str,
@@ -502,19 +497,18 @@ def logit_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str) -> 
 
 
 def recomputed_layer_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
-                           tp: int = 1) -> int:
+                           tp: int = 1, tp_style: str = "megatron") -> int:
     """The part of :func:`activation_bytes` that is not stored: under full recomputation the
-    working set of the one layer backward recomputes, the largest block's tensors as it
+    working set of the one layer backward recomputes, the largest of the model's blocks as it
     keeps them without recomputation (Note [the recomputed layer]); 0 otherwise."""
     if recompute != "full" or not spec.has_shape:
         return 0
     dense, moe = _block_bytes(spec, micro_batch, seq, precision, "none")
-    whole = block_norm_weight_bytes(spec)
-    largest = tp_share(dense, whole, tp)
-    if moe is not None:
-        pairs = routed_pair_bytes(spec, micro_batch * seq, precision)
-        largest = max(largest, tp_share(moe, whole + pairs, tp))
-    return largest
+    # the first block of each kind the model has: a mixture may have no dense block
+    kinds = {spec.is_moe_block(i): i for i in reversed(range(spec.layers))}
+    return max(tp_share(moe if is_moe else dense,
+                        block_whole_bytes(spec, i, micro_batch, seq, precision, "none", tp_style), tp)
+               for is_moe, i in kinds.items())
 
 
 def _block_bytes(spec: ModelSpec, b: int, s: int, precision: str, kept: str) -> tuple:

@@ -59,41 +59,43 @@ def stage_blocks(layers: int, pp: int, stage: int) -> range:
 
 
 def _chunk_bytes(spec: ModelSpec, b: int, s: int, precision: str, recompute: str, stages: int, stage: int,
-                 tp: int, loss_parallel: bool = True) -> Fraction:
+                 tp: int, loss_parallel: bool = True, tp_style: str = "megatron") -> Fraction:
     """What stage ``stage`` of ``stages`` saves for one micro-batch on one of ``tp`` tensor-parallel
     ranks: its blocks and its side, split as :func:`fusedist.plan.model.tp_share` splits them
     (exactly: a rank's peak sums several micro-batches before the one rounding)."""
     blocks = stage_blocks(spec.layers, stages, stage)
     one = sum(block_activation_bytes(spec, i, b, s, precision, recompute) for i in blocks)
-    whole = sum(block_whole_bytes(spec, i, b, s, precision, recompute) for i in blocks)
+    whole = sum(block_whole_bytes(spec, i, b, s, precision, recompute, tp_style) for i in blocks)
     if stage == 0:
         one += input_side_bytes(spec, b, s)
     if stage == stages - 1:
         one += output_side_bytes(spec, b, s, precision)
-        whole += output_whole_bytes(spec, b, s, precision, loss_parallel)
+        whole += output_whole_bytes(spec, b, s, precision, loss_parallel, tp_style)
     return Fraction(one - whole, tp) + whole
 
 
 def stage_activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
                            tp: int, pp: int, micro_batches: int, schedule: str, stage: int, virtual: int = 1,
-                           loss_parallel: bool = True) -> int:
+                           loss_parallel: bool = True, tp_style: str = "megatron") -> int:
     """Bytes stage ``stage`` (interleaved: rank ``stage``, its ``virtual`` stages) keeps for backward
     at its peak (Note [activations under pipeline parallelism]) on one of ``tp`` tensor-parallel
     ranks, split as :func:`fusedist.plan.model.activation_bytes` splits them."""
     b, s = micro_batch, seq
     if schedule == "interleaved":
         def chunk(local: int) -> Fraction:
-            return _chunk_bytes(spec, b, s, precision, recompute, pp * virtual, local * pp + stage, tp, loss_parallel)
+            return _chunk_bytes(spec, b, s, precision, recompute, pp * virtual, local * pp + stage, tp, loss_parallel,
+                                tp_style)
         held = interleaved.peak_held(stage, pp, virtual, micro_batches, chunk)
     else:
-        held = (_chunk_bytes(spec, b, s, precision, recompute, pp, stage, tp, loss_parallel)
+        held = (_chunk_bytes(spec, b, s, precision, recompute, pp, stage, tp, loss_parallel, tp_style)
                 * in_flight(stage, pp, micro_batches, schedule))
-    return math.floor(held) + recomputed_layer_bytes(spec, b, s, precision, recompute, tp)
+    return math.floor(held) + recomputed_layer_bytes(spec, b, s, precision, recompute, tp, tp_style)
 
 
 def pipeline_activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, recompute: str,
                               tp: int = 1, pp: int = 1, micro_batches: int = 1,
-                              schedule: str = "1f1b", virtual: int = 1, loss_parallel: bool = True) -> Optional[int]:
+                              schedule: str = "1f1b", virtual: int = 1, loss_parallel: bool = True,
+                              tp_style: str = "megatron") -> Optional[int]:
     """The activation bytes of the fullest of ``pp`` stages running ``micro_batches`` micro-batches a
     step under ``schedule`` (``virtual`` stages a rank, interleaved); None without the model's shape. ``pp == 1`` is
     :func:`fusedist.plan.model.activation_bytes` (one micro-batch at a time)."""
@@ -102,9 +104,9 @@ def pipeline_activation_bytes(spec: ModelSpec, micro_batch: int, seq: int, preci
     pp = max(1, min(pp, spec.layers))
     if pp == 1:
         return stage_activation_bytes(spec, micro_batch, seq, precision, recompute, tp, 1, 1, "1f1b", 0,
-                                      loss_parallel=loss_parallel)
+                                      loss_parallel=loss_parallel, tp_style=tp_style)
     return max(stage_activation_bytes(spec, micro_batch, seq, precision, recompute, tp, pp, micro_batches,
-                                      schedule, stage, virtual, loss_parallel) for stage in range(pp))
+                                      schedule, stage, virtual, loss_parallel, tp_style) for stage in range(pp))
 
 
 def pipeline_schedule(spec: ModelSpec, micro_batch: int, seq: int, precision: str, tp: int, pp: int,

@@ -15,6 +15,7 @@ from .model import (ModelSpec, activation_bytes, active_params, attention_flops_
 from .memory import STRATEGIES
 from .param_tensors import Vector, block_tensors, on_tp_rank, param_tensors, root_tensors, split_elements
 from .pipeline import pipeline_activation_bytes, pipeline_schedule, schedule_refusal
+from .tp_style import check_tp_style
 
 GB = 10**9
 # ModelSpec fields left out of the plan's model while off, so a plain model reads as before
@@ -49,6 +50,9 @@ class Job:
     # a vocabulary-parallel loss (Megatron's, torchtitan's loss_parallel): logits split by tensor parallelism;
     # False: the output layer gathers them, whole on each tensor-parallel rank
     loss_parallel: bool = True
+    # whose tensor parallelism the activations follow: "megatron" (a column-parallel layer saves its input's
+    # shard) or "torchtitan" (torch's ColwiseParallel saves the gathered input; fusedist/plan/tp_style.py)
+    tp_style: str = "megatron"
 
     @property
     def ranks_per_node(self) -> int:
@@ -72,7 +76,7 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
     # the micro-batches a step runs on each pipeline (Note [activations under pipeline parallelism])
     micro_batches = suggest.grad_accum(job.global_batch, job.micro_batch, dp)[0]
     act = pipeline_activation_bytes(spec, job.micro_batch, job.seq, job.precision, job.recompute, tp, pp,
-                                    micro_batches, job.pp_schedule, job.virtual_stages, job.loss_parallel)
+                                    micro_batches, job.pp_schedule, job.virtual_stages, job.loss_parallel, job.tp_style)
     units, outputs = _zero3_units(spec, tp, dp, ep)
     root = _root_params(spec, tp)
     temp_args = (strategy, shard_psi if held is None else held, job.precision, units, job.bucket_cap_mb,
@@ -92,7 +96,7 @@ def _memory_entry(spec: ModelSpec, psi: float, job: Job, hw: Hardware, strategy:
         # of which the one layer full recomputation reruns in backward (Note [the recomputed layer])
         "activation_recompute_bytes": (None if act is None else
                                        recomputed_layer_bytes(spec, job.micro_batch, job.seq, job.precision,
-                                                              job.recompute, tp)),
+                                                              job.recompute, tp, job.tp_style)),
         "temp_bytes": int(round(temp)),
         "temp_min_bytes": int(round(temp_min)),
         "total_bytes": int(round(total)),
@@ -248,6 +252,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
     communication move every parameter; compute is that of the parameters a token goes through
     (a mixture of experts': Note [active parameters] in model.py)."""
     check_expert_parallel(job.ep, spec, job.gpus)
+    check_tp_style(spec, job.tp_style)
     psi = count_params(spec)
     psi_active = active_params(spec)
     psi_flops = matmul_params(spec)  # Note [lookups are not products] in model.py
@@ -319,6 +324,7 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
         "pp_schedule": job.pp_schedule,
         "param_groups": job.param_groups,
         "loss_parallel": job.loss_parallel,
+        "tp_style": job.tp_style,
         **({"virtual_stages": job.virtual_stages} if job.pp_schedule == "interleaved" else {}),
         "gpu": dataclasses.asdict(hw),
         "assumptions": {
@@ -357,7 +363,13 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                             + ("a vocabulary-parallel loss under tensor parallelism (Megatron's, torchtitan's "
                                "loss_parallel: the fp32 logits split by tp)" if job.loss_parallel else
                                "no vocabulary-parallel loss (--no-loss-parallel): the output layer gathers the "
-                               "logits, whole fp32 logits on each tensor-parallel rank")),
+                               "logits, whole fp32 logits on each tensor-parallel rank")
+                            + ("; Megatron-LM's tensor parallelism: a column-parallel layer (q/k/v, MLP up/gate, "
+                               "output layer) saves its input's 1/tp sequence shard and gathers it again in backward"
+                               if job.tp_style == "megatron" else
+                               "; torchtitan's tensor parallelism (--tp-style torchtitan: torch's ColwiseParallel "
+                               "after a Shard(1) to Replicate redistribution): each tensor-parallel rank keeps the "
+                               "attention's, the MLP's and the output layer's gathered inputs whole")),
         },
     }
     if job.recompute == "full" and spec.has_shape:  # Note [the recomputed layer] in model.py

@@ -96,9 +96,9 @@ _DATA_PARALLEL = {
 }
 
 
-def recipe(layout: dict, loss_parallel: bool = True) -> list:
+def recipe(layout: dict, loss_parallel: bool = True, tp_style: str = "megatron") -> list:
     """How to build a model-parallel ``layout`` with fusedist and torch: the mesh, tensor
-    parallelism (and the loss the activations were counted with), the data-parallel strategy,
+    parallelism (and the loss and style the activations were counted with), the data-parallel strategy,
     pipeline stages and their checkpoints."""
     dims = [(name, layout[name]) for name in ("pp", "dp", "tp") if layout[name] > 1 or name == "dp"]
     def tuple_of(items) -> str:
@@ -116,6 +116,11 @@ def recipe(layout: dict, loss_parallel: bool = True) -> list:
                                  "output layer ColwiseParallel(use_local_output=False))" if loss_parallel else
                                  "on whole logits (--no-loss-parallel): the output layer ColwiseParallel("
                                  "output_layouts=Replicate()), whole fp32 logits on each tp rank"))
+        out.append("  activations: " + ("counted as Megatron-LM keeps them (a column-parallel layer saves its "
+                                        "input's sequence shard); torch's ColwiseParallel saves the gathered input, "
+                                        "more a rank: --tp-style torchtitan counts it" if tp_style == "megatron" else
+                                        "counted as torch's ColwiseParallel keeps them (--tp-style torchtitan: "
+                                        "q/k/v's, the MLP's and the output layer's gathered inputs whole)"))
     out.append(f"  data parallelism ({layout['strategy']}): {_DATA_PARALLEL[layout['strategy']]}")
     if layout["pp"] > 1:
         group = 'mesh["dp", "tp"]' if layout["tp"] > 1 else 'mesh["dp"]'
@@ -207,7 +212,7 @@ def format_plan(plan: dict) -> str:
         out.append(f"suggestion: no data-parallel strategy fits; dp={lay['dp']} x tp={lay['tp']} x pp={lay['pp']} "
                    + (f"(ep={lay['ep']}) " if lay.get("ep", 1) > 1 else "")
                    + f"with {lay['strategy']} does ({_gb(lay['total_bytes'])} GB per GPU; tp within a node)")
-        out += recipe(lay, i.get("loss_parallel", True))
+        out += recipe(lay, i.get("loss_parallel", True), i.get("tp_style", "megatron"))
         out += _pipeline_lines(lay.get("pipeline"))
     elif lay and lay.get("ep", 1) != i.get("ep", 1):
         out.append(f"suggestion: no data-parallel strategy fits at ep={i.get('ep', 1)}; {lay['strategy']} with the "

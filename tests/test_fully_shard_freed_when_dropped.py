@@ -6,6 +6,10 @@ the key (the state to its modules, the unit to its parameters, the owner to its 
 and the unsharded parameters' gradient hooks held the unit, where autograd keeps them out of
 the garbage collector's sight: every sharded model stayed alive for good, gathered buffers
 included, and their bytes stayed in the process-wide ``gathered_bytes``.
+
+Freed at once too, the garbage collector off (Note [a dropped model freed at once] in
+fusedist/fsdp/state.py): the hooks' states, the root's iteration context, tree and step watch held
+the modules back, so the model waited for a collection, as FSDP2's does.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +33,36 @@ def _shard(model, fully_shard, mesh, reshard_after_forward, offload):
     return model
 
 
+def _storage_holder(model, who):
+    """What holds the storage of the first block's parameters: fusedist's unit shard, FSDP2's local piece."""
+    if who == "torch":
+        return next(model.blocks[0].parameters())._local_tensor
+    unit = fusedist.fsdp.state.state_of(model.blocks[0]).unit
+    return unit.shard if unit.shard is not None else unit.shards[0]
+
+
+def _alive_after_del(who, shard, mesh, stage, x, y):
+    """Which of (model, block, storage holder) a program that dropped the model and its optimizer
+    still has alive, the garbage collector off: after sharding (stage 0), a forward and backward
+    (1), an AdamW step (2)."""
+    torch.manual_seed(0)
+    gc.disable()
+    try:
+        model = _shard(models.BlockStack(), shard, mesh, True, None)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if stage >= 1:
+            F.mse_loss(model(x), y).backward()
+        if stage >= 2:
+            opt.step()
+            opt.zero_grad()
+        refs = [weakref.ref(model), weakref.ref(model.blocks[0]), weakref.ref(_storage_holder(model, who))]
+        del model, opt
+        return [r() is not None for r in refs]
+    finally:
+        gc.enable()
+        gc.collect()
+
+
 def _dropped(rank, ws):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -35,7 +70,8 @@ def _dropped(rank, ws):
     mesh = init_device_mesh("cpu", (ws,))
     torch.manual_seed(rank)
     x, y = torch.randn(4, 5), torch.randn(4, 3)
-    out = {}
+    out = {"without_gc": {who: [_alive_after_del(who, shard, mesh, stage, x, y) for stage in range(3)]
+                          for who, shard in [("torch", fully_shard), ("fusedist", fusedist.fully_shard)]}}
     for who, shard, policy in [("torch", fully_shard, CPUOffloadPolicy(pin_memory=False)),
                                ("fusedist", fusedist.fully_shard, fusedist.CPUOffloadPolicy(pin_memory=False))]:
         torch.manual_seed(0)
@@ -56,8 +92,24 @@ def _dropped(rank, ws):
     return out
 
 
-def test_a_dropped_model_is_freed_and_leaves_memory_stats():
-    for res in run_distributed(_dropped, 2, timeout=120):
+@pytest.fixture(scope="module")
+def dropped():
+    """One launch for the tests below."""
+    return run_distributed(_dropped, 2, timeout=120)
+
+
+def test_a_dropped_model_is_freed_at_once_without_the_garbage_collector(dropped):
+    """Its modules hold what leads back to them only weakly (hooks' states, the root's iteration
+    context, tree and step watch, the units' callbacks): dropped after sharding, after a training
+    step or an optimizer step, model, blocks and the shards' storage go at once. FSDP2's reference
+    cycles keep its model until the next collection."""
+    for res in dropped:
+        assert res["without_gc"]["fusedist"] == [[False, False, False]] * 3, res["without_gc"]
+        assert res["without_gc"]["torch"] == [[True, True, True]] * 3, res["without_gc"]  # FSDP2: kept until gc
+
+
+def test_a_dropped_model_is_freed_and_leaves_memory_stats(dropped):
+    for res in dropped:
         assert res["torch"][0], res  # torch's FSDP2 model is collected
         freed, gathered = res["fusedist"]
         assert gathered > 0, res

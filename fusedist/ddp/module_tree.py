@@ -38,6 +38,7 @@ Note [modules that left the tree]
 
 from __future__ import annotations
 
+import weakref
 from itertools import chain
 from operator import attrgetter
 
@@ -48,29 +49,42 @@ _CHILDREN = attrgetter("_modules")
 
 class ModuleTree:
     """The modules of a tree that hold submodules and, flattened, the submodules each held when
-    last seen; and the leaves, which held none (most modules: only their emptiness is read)."""
+    last seen; and the leaves, which held none (most modules: only their emptiness is read).
+    ``hold_root=False``: the root itself is held weakly (a structure the root owns, which must not
+    keep it alive); the others are below it and do not lead back to it."""
 
-    __slots__ = ("parents", "leaves", "children")
+    __slots__ = ("parents", "leaves", "children", "_root_ref")
 
-    def __init__(self, root):
+    def __init__(self, root, hold_root: bool = True):
+        self._root_ref = None if hold_root else weakref.ref(root)
         self.snapshot(root)
 
     def snapshot(self, root) -> None:
         modules = list(root.modules())
+        if self._root_ref is not None:  # (``modules()`` walks the root first)
+            self._root_ref, modules = weakref.ref(root), modules[1:]
         self.parents = [m for m in modules if m._modules]
         self.leaves = [m for m in modules if not m._modules]
         self.children = self._now()
 
+    def _root(self) -> list:
+        """The weakly held root, as a list (empty where held strongly; [None] once freed)."""
+        return [] if self._root_ref is None else [self._root_ref()]
+
     def _now(self) -> list:
-        return list(chain.from_iterable(map(dict.values, map(_CHILDREN, self.parents))))
+        below = list(chain.from_iterable(map(dict.values, map(_CHILDREN, self.parents))))
+        if self._root_ref is None:
+            return below
+        root = self._root_ref()
+        return (list(root._modules.values()) if root is not None else [None]) + below
 
     def modules(self) -> list:
         """The modules of the tree when last seen."""
-        return self.parents + self.leaves
+        return [m for m in self._root() if m is not None] + self.parents + self.leaves
 
     def left(self, before: list) -> list:
         """Those of ``before`` that are not in the tree as last seen (by identity)."""
-        present = set(map(id, self.parents)) | set(map(id, self.leaves))
+        present = set(map(id, self.parents)) | set(map(id, self.leaves)) | set(map(id, self._root()))
         return [m for m in before if id(m) not in present]
 
     def forget(self) -> None:

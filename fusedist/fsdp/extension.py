@@ -56,6 +56,7 @@ float8.py) sets the scales on the pieces, which the gathers read.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Optional
 
 import torch
@@ -154,12 +155,17 @@ class ExtensionGathers:
     :meth:`free` where it frees its gathered buffers."""
 
     def __init__(self, unit, mesh, mp_policy):
-        self.unit = unit
+        # weakly: the unit holds these gathers (Note [a dropped model freed at once] in state.py)
+        self._unit_ref = weakref.ref(unit)
         self.mesh, self.mp_policy = mesh, mp_policy  # what fsdp_pre_all_gather is handed
         #: per parameter, once gathered: its outputs (flat, world size times each input) and the
         #: inner tensors fsdp_post_all_gather returned (their storage freed on reshard)
         self.outputs: dict[int, tuple[list, list]] = {}
         self.meta: dict[int, object] = {}  # the metadata of the gather in flight
+
+    @property
+    def unit(self):
+        return self._unit_ref()
 
     def forget(self, i: int) -> None:
         """Parameter ``i``'s unsharded parameter is a placeholder again (``_new_full``): the next

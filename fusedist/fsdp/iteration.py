@@ -17,7 +17,10 @@ from .tree_names import RootTree
 if TYPE_CHECKING:
     from .state import FullyShardState
 
-__all__ = ["IterationContext"]
+__all__ = ["CONTEXT_ATTRIBUTE", "IterationContext"]
+
+#: the attribute of a root's module that holds its context (the states hold it weakly)
+CONTEXT_ATTRIBUTE = "_fully_shard_iteration_context"
 
 
 class IterationContext:

@@ -45,6 +45,7 @@ Note [a sharded submodule replaced]
 
 from __future__ import annotations
 
+import weakref
 from operator import attrgetter, is_
 
 __all__ = ["Spine", "Places", "WatchedChildren", "WatchedDicts", "WRITES", "check_replaced", "watch_parents",
@@ -66,18 +67,21 @@ class Spine:
         for st in states:
             for m in st.modules:
                 where = places.of.get(id(m))
-                while where is not None and id(where[0]) not in parents:
-                    parent = where[0]
-                    parents[id(parent)] = (parent, list(parent._modules.values()))
+                while where is not None and where[0]() is not None and id(where[0]()) not in parents:
+                    parent = where[0]()
+                    # (weakly: the root is among them, and its module holds this: Note [a dropped model
+                    # freed at once] in state.py)
+                    parents[id(parent)] = (where[0], list(parent._modules.values()))
                     where = places.of.get(id(parent))
         self.parents = list(parents.values())
 
     def holds(self) -> bool:
         """Whether each of those modules holds the children it held (by identity: a list compare,
         ~3 us for 600 blocks, a few per cent of the fingerprint's cost)."""
-        for parent, children in self.parents:
-            if list(parent._modules.values()) != children:  # (the dict read again: it may be replaced whole)
-                return False
+        for parent_ref, children in self.parents:
+            parent = parent_ref()
+            if parent is None or list(parent._modules.values()) != children:  # (the dict read again: it may be
+                return False  # replaced whole)
         return True
 
 
@@ -115,16 +119,21 @@ class WatchedDicts:
     """Each watched module's ``_modules`` dict as last seen (it holds them: a replaced one's id is
     not reused while compared), so that a dict replaced whole is seen."""
 
-    __slots__ = ("modules", "dicts")
+    __slots__ = ("modules", "dicts", "roots")
 
-    def __init__(self, places: "Places", states: list):
-        self.modules = [m for m in _holding_parents(places, states) if isinstance(m._modules, WatchedChildren)]
+    def __init__(self, places: "Places", states: list, roots: list = ()):
+        watched = [m for m in _holding_parents(places, states) if isinstance(m._modules, WatchedChildren)]
+        root_ids = set(map(id, roots))
+        self.modules = [m for m in watched if id(m) not in root_ids]
         self.dicts = list(map(_CHILDREN, self.modules))
+        # the roots' own, weakly (their modules hold this: Note [a dropped model freed at once] in state.py)
+        self.roots = [(weakref.ref(m), m._modules) for m in watched if id(m) in root_ids]
 
     def hold(self) -> bool:
         """Whether each of those modules holds the same dict (by identity: a same-content copy is
         not watched)."""
-        return all(map(is_, map(_CHILDREN, self.modules), self.dicts))
+        return all(map(is_, map(_CHILDREN, self.modules), self.dicts)) and \
+            all(getattr(ref(), "_modules", None) is d for ref, d in self.roots)
 
 
 def _holding_parents(places: "Places", states: list) -> list:
@@ -136,14 +145,16 @@ def _holding_parents(places: "Places", states: list) -> list:
         for regs in st.unit.registrations:
             for m, _ in regs:
                 where = places.of.get(id(m))
-                if where is not None:
-                    parents.setdefault(id(where[0]), where[0])
+                parent = where[0]() if where is not None else None
+                if parent is not None:
+                    parents.setdefault(id(parent), parent)
     return list(parents.values())
 
 
 class Places:
-    """Where each module of the root's tree was when last seen: ``id -> (parent, key, module, path)``
-    (it holds them: an id stays theirs while it is here)."""
+    """Where each module of the root's tree was when last seen: ``id -> (weak reference to the parent,
+    key, module, path)`` (it holds the modules: an id stays theirs while it is here; not the parents, the
+    root among them, whose module holds this: Note [a dropped model freed at once] in state.py)."""
 
     __slots__ = ("of",)
 
@@ -153,7 +164,7 @@ class Places:
             for path, m in root.named_modules(remove_duplicate=False):
                 for key, child in m._modules.items():
                     if child is not None and id(child) not in self.of:
-                        self.of[id(child)] = (m, key, child, f"{path}.{key}" if path else key)
+                        self.of[id(child)] = (weakref.ref(m), key, child, f"{path}.{key}" if path else key)
 
 
 def check_replaced(places: Places, roots: list, states: list) -> None:
@@ -168,10 +179,11 @@ def check_replaced(places: Places, roots: list, states: list) -> None:
             if id(m) in present or id(m) not in places.of:
                 continue
             top = places.of[id(m)]
-            while id(top[0]) not in present and id(top[0]) in places.of:
-                top = places.of[id(top[0])]
-            parent, key, old, path = top
-            now = parent._modules.get(key)
+            while id(top[0]()) not in present and id(top[0]()) in places.of:
+                top = places.of[id(top[0]())]
+            parent_ref, key, old, path = top
+            parent = parent_ref()
+            now = parent._modules.get(key) if parent is not None else None
             if now is not None and id(now) not in places.of:
                 _refuse(path, old, now, m, unit)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..reliability.sharded_watch import ShardedStepWatch
-from .iteration import IterationContext
+from .iteration import CONTEXT_ATTRIBUTE, IterationContext
 from .tree_names import name_units
 from .wrapping_check import check_one_mesh, check_wrapping
 
@@ -45,6 +45,8 @@ def set_up_root(root) -> None:
     ctx = IterationContext(states, root.modules)
     for st in states:
         st.ctx = ctx
+    for member in root.modules:  # Note [a dropped model freed at once] in state.py: the root's modules hold it
+        object.__setattr__(member, CONTEXT_ATTRIBUTE, ctx)
     # as FSDP2: the root's context becomes the shared one, so only the root's event is kept
     ctx.post_optim_event, root.post_optim_event = root.post_optim_event, None
     if root.auto_reshard and root.unit is not None:

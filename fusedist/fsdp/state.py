@@ -168,6 +168,20 @@ Note [repeated backward]
     the first; its reductions run in the units' registration order (no forward order was
     recorded for it), the same on every rank.
 
+Note [a dropped model freed at once]
+    A model the program drops (with its optimizer) is freed by reference counting, at once, without
+    waiting for the garbage collector: its shards and gathered buffers leave memory at ``del model``.
+    So everything hangs off the modules in one direction -- a module's hooks hold its state, the
+    state its unit, the unit its parameters and buffers; the root's modules hold the iteration
+    context (``CONTEXT_ATTRIBUTE``), which holds the states, the tree (tree_names.py) and the step
+    watch -- and every reference back up is weak: a state's modules and context, the unit's
+    callbacks into its state, the extension gathers' unit, the tree's and the watch's root modules
+    (what is below the root does not lead back to it), the step check's report callbacks. torch's
+    FSDP2 model stays until the next collection (its hooks and states form cycles). What is left:
+    a fully_shard module holding parameters itself (not through a submodule) is held by its unit's
+    registrations, a cycle the garbage collector frees. A block kept by the program outlives its
+    dropped root and becomes a root of its own at its next forward.
+
 """
 
 from __future__ import annotations
@@ -213,20 +227,28 @@ _WITH_COMPILED_AUTOGRAD = ("torch's fully_shard (FSDP2) where it supports compil
                            "CPU mesh with torch 2.13 its first unit's were left unreduced)")
 
 
+def _call_weakly(state_ref, fn, *args):
+    """``fn(state, *args)`` while the state lives (its unit's callbacks: a dropped state answers False)."""
+    state = state_ref()
+    return fn(state, *args) if state is not None else False
+
+
 class FullyShardState:
     """The hooks of one ``fully_shard`` module (Note [unit schedule]); ``unit`` is None when
     every parameter of the module belongs to units below it."""
 
     def __init__(self, modules: list, unit, unit_grads, mp_policy, reshard_after_forward_auto: bool):
-        # Note [a list of modules as one unit] in members.py: several members share this state and its unit
-        self.modules = list(modules)
-        self.module = self.modules[0]
+        # Note [a list of modules as one unit] in members.py: several members share this state and its unit.
+        # Held weakly (Note [a dropped model freed at once]): each module holds this state through its hooks
+        self._module_refs = tuple(weakref.ref(m) for m in modules)
+        self.grouped = len(self._module_refs) > 1
         self._group_pending: set = set()  # ids of the members yet to run in this call of the group
         self.unit, self.grads = unit, unit_grads
         self.mp_policy = mp_policy
         self.auto_reshard = reshard_after_forward_auto
         self.is_root: Optional[bool] = None
-        self.ctx: Optional[IterationContext] = None
+        self._ctx_ref: Optional[weakref.ref] = None  # the root's IterationContext, once set up (weakly: its root
+        # module holds it, Note [a dropped model freed at once])
         self.forward_prefetch: Optional[list] = None
         self.removed = False  # left the root's tree (Note [a sharded unit removed] in tree_names.py)
         self.backward_prefetch: Optional[list] = None
@@ -253,15 +275,34 @@ class FullyShardState:
         # its calls running, nested ones included (Note [a unit called inside its own call] in functions.py)
         self._depth = 0
         self._call_closed = False  # the post-forward of the call ending now ran (Note [aborted standalone call])
-        if unit is not None:
-            unit.on_grad = self._on_grad
-            unit.busy = self._busy
-            unit.on_adopted = functools.partial(register_pieces, self)
-        for module in self.modules:
-            _STATES[module] = weakref.ref(self)
+        me = weakref.ref(self)
+        if unit is not None:  # (through a weak reference: Note [a dropped model freed at once])
+            unit.on_grad = functools.partial(_call_weakly, me, FullyShardState._on_grad)
+            unit.busy = functools.partial(_call_weakly, me, FullyShardState._busy)
+            unit.on_adopted = functools.partial(_call_weakly, me, register_pieces)
+        for module in modules:
+            _STATES[module] = me
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward)
             module.register_forward_hook(self._after_call, always_call=True)  # Note [aborted standalone call]
+
+    @property
+    def modules(self) -> list:
+        """The modules of this state (several for a group); None for one already freed."""
+        return [ref() for ref in self._module_refs]
+
+    @property
+    def module(self) -> Optional[torch.nn.Module]:
+        return self._module_refs[0]()
+
+    @property
+    def ctx(self) -> Optional[IterationContext]:
+        ref = self._ctx_ref
+        return ref() if ref is not None else None
+
+    @ctx.setter
+    def ctx(self, ctx: Optional[IterationContext]) -> None:
+        self._ctx_ref = weakref.ref(ctx) if ctx is not None else None
 
     def _busy(self) -> bool:
         """Whether a forward or backward under this module's root is running (one an exception
@@ -289,7 +330,7 @@ class FullyShardState:
 
     def path_in(self, names: dict) -> Optional[str]:
         """This state's module path in ``names`` (module id -> path); a group's is its members'."""
-        if len(self.modules) == 1:
+        if not self.grouped:
             return names.get(id(self.module))
         return "[" + ", ".join(names.get(id(m)) or "?" for m in self.modules) + "]"
 
@@ -316,7 +357,7 @@ class FullyShardState:
         if self.is_root and torch.is_grad_enabled():
             # Note [compiled autograd refused]
             refuse_compiled_autograd_at_forward("fully_shard", _WITH_COMPILED_AUTOGRAD)
-        if len(self.modules) > 1:  # Note [a list of modules as one unit] in members.py
+        if self.grouped:  # Note [a list of modules as one unit] in members.py
             if self._group_pending:  # a later member of this call: the unit is gathered already
                 if unit is not None and torch.is_grad_enabled() and not all(sp.requires_grad for sp in unit.sharded):
                     args, kwargs = self._route_inputs(args, kwargs)  # Note [frozen parameters in backward]
@@ -366,7 +407,7 @@ class FullyShardState:
         if self._in_backward or ctx.backward_running:
             return _cast(self.mp_policy.output_dtype, output)
         grad = torch.is_grad_enabled()
-        if len(self.modules) > 1:  # Note [a list of modules as one unit] in members.py
+        if self.grouped:  # Note [a list of modules as one unit] in members.py
             self._group_pending.discard(id(module))
             if self._group_pending:  # members still to run: this call's post-forward waits for them
                 if unit is not None and unit.reshard_after_forward:  # (freed at the group's post-forward:
@@ -395,8 +436,9 @@ class FullyShardState:
 
     def _record_post_forward(self) -> None:
         """This call's entry in the iteration's post-forward order (backward prefetches by it)."""
-        self._post_forward_indices.append(len(self.ctx.post_forward_order))
-        self.ctx.post_forward_order.append(self)
+        order = self.ctx.post_forward_order
+        self._post_forward_indices.append(len(order))
+        order.append(self)
 
     def _hook_outputs(self, output, call: int) -> None:
         """The backward pre-hook of call ``call`` on each output that requires a gradient."""
@@ -458,9 +500,10 @@ class FullyShardState:
         self._maybe_post_backward()
 
     def _on_grad(self, index: int) -> None:
-        if self.ctx is None:  # Note [a gradient before the first forward] in early_grad.py
+        ctx = self.ctx
+        if ctx is None:  # Note [a gradient before the first forward] in early_grad.py
             refuse_grad_before_forward(self.unit, index)
-        self.ctx.ensure_final_callback()
+        ctx.ensure_final_callback()
         self.backward_pending = True
         if self._post_backward_done:  # Note [gradients after the unit's reduction]
             self._post_backward_done, self._grads_seen = False, 0

@@ -58,6 +58,7 @@ Note [a sharded unit removed]
 
 from __future__ import annotations
 
+import weakref
 from operator import attrgetter
 from typing import Optional
 
@@ -101,11 +102,13 @@ class _Fingerprint:
 class RootTree:
     """The root's modules' trees as last seen (Note [unit paths follow the module])."""
 
-    __slots__ = ("modules", "trees", "fingerprint", "full_compares", "places", "spine", "watched")
+    __slots__ = ("_module_refs", "trees", "fingerprint", "full_compares", "places", "spine", "watched")
 
     def __init__(self, modules: list):
-        self.modules = list(modules)
-        self.trees = [ModuleTree(m) for m in self.modules]
+        # weakly: the root's modules hold their context, hence this (Note [a dropped model freed at
+        # once] in state.py); what is below them does not lead back to them
+        self._module_refs = [weakref.ref(m) for m in modules]
+        self.trees = [ModuleTree(m, hold_root=False) for m in modules]
         self.fingerprint = _Fingerprint(self.trees)
         self.full_compares = 0  # (how often the fingerprint sent it to the full comparison)
         # where each module was, and the modules on the way to the sharded ones (Note [a sharded
@@ -113,6 +116,11 @@ class RootTree:
         self.places: Optional[Places] = None
         self.spine: Optional[Spine] = None
         self.watched: Optional[WatchedDicts] = None
+
+    @property
+    def modules(self) -> list:
+        """The root's modules (None for one freed)."""
+        return [ref() for ref in self._module_refs]
 
     def refresh(self, states: list, watch=None, full: bool = False) -> bool:
         """Rename the units of ``states`` and ``watch``'s parameters if the tree changed since
@@ -150,7 +158,7 @@ class RootTree:
         self.places = Places(self.modules)
         self.spine = Spine(self.places, states)
         made = watch_parents(self.places, states)
-        self.watched = WatchedDicts(self.places, states)
+        self.watched = WatchedDicts(self.places, states, self.modules)
         if made:  # (new dicts: the fingerprint reads their lengths)
             self.fingerprint = _Fingerprint(self.trees)
 

@@ -68,6 +68,8 @@ Note [replica check]
 
 from __future__ import annotations
 
+import functools
+import weakref
 import zlib
 from typing import Optional
 
@@ -131,9 +133,22 @@ class ShardedStepWatch(WatchBase):
         self._units_of = units
         # Note [every module's mode under a fully_shard root]: (path, module) of every module under the
         # root's members (``members``), taken again when the tree changes; their flags at the last training forward
-        self._members = list(members)
-        self._mode_modules = _every_module(self._members) if self._members else _holding_modules(units)
-        self._read_modes = [m for _, m in self._mode_modules]
+        # The root's members weakly, first (their modules hold this watch: Note [a dropped model freed at once]
+        # in fusedist/fsdp/state.py); the modules below them do not lead back to them
+        self._member_refs = [weakref.ref(m) for m in members]
+        self._member_names: list = []
+        if members:
+            self._take_modes(list(members))
+        else:
+            self._mode_modules = _holding_modules(units)
+            self._read_modes = [m for _, m in self._mode_modules]
+        # the step check's report callbacks, made once; weak (the check keeps them while pending)
+        me = weakref.ref(self)
+        self._describe_units_weakly = functools.partial(_weakly, me, ShardedStepWatch._describe_units)
+        self._describe_modes_weakly = functools.partial(_weakly, me, ShardedStepWatch._describe_modes)
+        self._describe_pieces_weakly = functools.partial(_weakly, me, ShardedStepWatch._describe_pieces)
+        self._describe_replicas_weakly = functools.partial(_weakly, me, ShardedStepWatch._describe_replicas)
+        self._describe_replica_steps_weakly = functools.partial(_weakly, me, ShardedStepWatch._describe_replica_steps)
         self._modes = 0
         self._names: dict = {}  # piece -> its current path (weak keys), once the module's tree changed
         from . import optimizer_guard
@@ -148,7 +163,7 @@ class ShardedStepWatch(WatchBase):
         self.settle()
         self.forwards += 1
         if self.step_check is not None:
-            self._modes = modes_crc(self._read_modes)
+            self._modes = modes_crc([ref() for ref in self._member_refs] + self._read_modes)
 
     def backward_begins(self) -> None:
         self.in_backward = True
@@ -192,19 +207,17 @@ class ShardedStepWatch(WatchBase):
 
     def _launch(self, checked_now: bool) -> None:
         detail = dict(SUBJECT, buckets=self.units, checked_now=checked_now, unused_names=self._without_grad,
-                      describe_trainable=self._describe_units,
-                      describe_modes=lambda comm, named=self._mode_modules: describe_modes(comm, named))
+                      describe_trainable=self._describe_units_weakly, describe_modes=self._describe_modes_weakly)
         flag = replicas = None
         if self.param_every and (checked_now or self.sync_steps % self.param_every == 0):
             detail.update(explain=dict(SUBJECT["explain"], params=REPLICAS_DIFFER))
             if self.replicas_only:  # (the step check's ranks are the replicas: the digest itself)
                 flag = self._pieces().compute(self.replicate_comm.device)
-                detail.update(describe_params=lambda comm, skip=(): self._replicas.describe(
-                    comm, skip, labels=global_ranks(comm)))
+                detail.update(describe_params=self._describe_pieces_weakly)
             else:
                 flag, replicas = self._replica_flags()  # Note [replica check]
-                detail.update(describe_params=self._describe_replicas, params_listed=False,
-                              describe_replicas=self._describe_replica_steps)
+                detail.update(describe_params=self._describe_replicas_weakly, params_listed=False,
+                              describe_replicas=self._describe_replica_steps_weakly)
         self.step_check.launch(
             [self.sync_steps, self.forwards, self.backwards, self.optimizer_steps, self.wrapping_crc,
              self.comm.last_seq, self._gradients_crc, self._units_crc, self._modes,  # (Note in mode_check.py)
@@ -242,9 +255,8 @@ class ShardedStepWatch(WatchBase):
         ``current`` maps a parameter (by identity) to its path now; the replica check's messages name the
         pieces so, not by the paths they had when its digest was built (those may be other blocks')."""
         self._names = current
-        if self._members:  # Note [every module's mode under a fully_shard root]
-            self._mode_modules = _every_module(self._members)
-            self._read_modes = [m for _, m in self._mode_modules]
+        if self._member_refs:  # Note [every module's mode under a fully_shard root]
+            self._take_modes([ref() for ref in self._member_refs])
         if self._replicas is not None:
             self._replicas.names = [n for n, _ in _named_pieces(self._units_of, current)]
 
@@ -283,6 +295,22 @@ class ShardedStepWatch(WatchBase):
                                     for value, ranks in sorted(groups.items(), key=lambda kv: kv[1]))
                 lines.append(f"    {name}: {listing}")
         return lines
+
+    def _take_modes(self, members: list) -> None:
+        """The modules whose modes are compared: the members (held weakly), then every module under
+        them (Note [every module's mode under a fully_shard root])."""
+        named = _every_module([m for m in members if m is not None])
+        ids = set(map(id, members))
+        self._member_names = [next((n for n, m in named if m is member), "?") for member in members]
+        self._mode_modules = [(n, m) for n, m in named if id(m) not in ids]
+        self._read_modes = [m for _, m in self._mode_modules]
+
+    def _describe_modes(self, comm) -> list:
+        named = [(n, ref()) for n, ref in zip(self._member_names, self._member_refs)] + self._mode_modules
+        return describe_modes(comm, named)
+
+    def _describe_pieces(self, comm, skip=()) -> list:
+        return self._replicas.describe(comm, skip, labels=global_ranks(comm))
 
     def _describe_units(self, comm) -> list:
         """This rank's units in forward order, for the mismatch report (every rank prints its own)."""
@@ -341,6 +369,12 @@ def _global(comm, position: int) -> int:
 # walk of root.modules() 569 us), and taken again where the root follows a change of its tree
 # (Note [unit paths follow the module] in fusedist/fsdp/tree_names.py calls names_changed), so a
 # module inserted, replaced or removed after the first forward is read as the tree is now.
+def _weakly(watch_ref, fn, *args, **kwargs):
+    """``fn(watch, ...)`` while the watch lives (a report callback the step check keeps); nothing after."""
+    watch = watch_ref()
+    return fn(watch, *args, **kwargs) if watch is not None else []
+
+
 def _every_module(members: list) -> list:
     """(path under the root, module) of every module under ``members``, once each, in the order
     ``named_modules()`` walks them (the same on every rank whose tree is the same)."""

@@ -25,6 +25,7 @@
 
 import gc
 import weakref
+from typing import Optional
 
 import pytest
 import torch
@@ -33,6 +34,20 @@ import torch.distributed as dist
 from fusedist.testing import run_distributed
 from shared_rank_launch import fresh_compiler, launch_for_selected, results_of
 
+
+
+def _alive_after_destroy(held: list, refs: Optional[dict] = None) -> list:
+    """Destroy the group ``held[0]`` (the caller's only reference) with the collector off -- what the destroy
+    frees, it frees itself -- and name what is still alive of ``refs`` (default: the group)."""
+    group = held.pop()
+    refs = refs if refs is not None else {"group": weakref.ref(group)}
+    gc.disable()
+    try:
+        dist.destroy_process_group(group)
+        del group
+        return sorted(name for name, ref in refs.items() if ref() is not None)
+    finally:
+        gc.enable()
 
 def _compiled_collectives(rank, world_size, seed):
     import torch.distributed as dist
@@ -259,13 +274,8 @@ def _destroyed_subgroup_lets_go(rank, world):
     comm.all_reduce(total)
     refs = {"communicator": weakref.ref(comm), "monitor": weakref.ref(monitor), "group": weakref.ref(group)}
     del comm, monitor
-    gc.disable()  # (what the destroy frees, it frees itself: no collection of the test's)
-    try:
-        dist.destroy_process_group(group)
-        del group
-        alive = sorted(name for name, ref in refs.items() if ref() is not None)
-    finally:
-        gc.enable()
+    held, group = [group], None
+    alive = _alive_after_destroy(held, refs)
     return {"sum": total.tolist(), "alive": alive}
 
 
@@ -284,14 +294,8 @@ def _held_communicator_lets_go(rank, world):
     comm.all_reduce(large)
     comm.all_gather(gathered, torch.full((2,), float(rank)), async_op=True).wait()
     comm.barrier()
-    held = weakref.ref(group)
-    gc.disable()  # (what the destroy frees, it frees itself: no collection of the test's)
-    try:
-        dist.destroy_process_group(group)
-        del group
-        alive = held() is not None
-    finally:
-        gc.enable()
+    held, group = [group], None
+    alive = bool(_alive_after_destroy(held))
     refused = {}
     for op, call in (("all_reduce", lambda: comm.all_reduce(torch.ones(3), tag="late")),
                      ("broadcast", lambda: comm.broadcast(torch.ones(3), 0, tag="late")),
@@ -420,14 +424,8 @@ def _finished_handle_lets_go(rank, world):
     model = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group)
     model(torch.randn(4, 4)).sum().backward()
     pending = model.watch.step_check._pending is not None
-    held = weakref.ref(group)
-    gc.disable()  # (what the destroy frees, it frees itself: no collection of the test's)
-    try:
-        dist.destroy_process_group(group)
-        del group
-        alive = held() is not None
-    finally:
-        gc.enable()
+    held, group = [group], None
+    alive = bool(_alive_after_destroy(held))
     return {"pending": pending, "alive": alive}
 
 
@@ -444,14 +442,8 @@ def _built_directly_is_released(rank, world):
     out = torch.empty(2)
     comm.reduce_scatter(out, torch.full((2 * world,), float(rank + 1)), async_op=True).wait()
     progress = [t for t in set(threading.enumerate()) - before if t.name == "fusedist-gloo-exchange"]
-    held = weakref.ref(group)
-    gc.disable()
-    try:
-        dist.destroy_process_group(group)
-        del group
-        alive = held() is not None
-    finally:
-        gc.enable()
+    held, group = [group], None
+    alive = bool(_alive_after_destroy(held))
     try:
         comm.all_reduce(torch.ones(3), tag="late")
         late = "no error"

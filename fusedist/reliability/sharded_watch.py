@@ -360,6 +360,12 @@ def _global(comm, position: int) -> int:
     return ranks[position] if ranks is not None else position
 
 
+def _weakly(watch_ref, fn, *args, **kwargs):
+    """``fn(watch, ...)`` while the watch lives (a report callback the step check keeps); nothing after."""
+    watch = watch_ref()
+    return fn(watch, *args, **kwargs) if watch is not None else []
+
+
 # Note [every module's mode under a fully_shard root]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # The modes field (Note [train and eval modes in the step check] in mode_check.py) reads every
@@ -369,12 +375,6 @@ def _global(comm, position: int) -> int:
 # walk of root.modules() 569 us), and taken again where the root follows a change of its tree
 # (Note [unit paths follow the module] in fusedist/fsdp/tree_names.py calls names_changed), so a
 # module inserted, replaced or removed after the first forward is read as the tree is now.
-def _weakly(watch_ref, fn, *args, **kwargs):
-    """``fn(watch, ...)`` while the watch lives (a report callback the step check keeps); nothing after."""
-    watch = watch_ref()
-    return fn(watch, *args, **kwargs) if watch is not None else []
-
-
 def _every_module(members: list) -> list:
     """(path under the root, module) of every module under ``members``, once each, in the order
     ``named_modules()`` walks them (the same on every rank whose tree is the same)."""

@@ -6,7 +6,9 @@ with torch DDP on 2 gloo ranks; so are the attributes and private methods torch'
 scripts (its settings in bytes, ``require_forward_param_sync``, ``_register_fused_optim``,
 ``_get_data_parallel_params``, a hook's annotations checked, ``_update_process_group`` refused,
 ``process_group`` the same object, let go of once destroyed, buffer communication hooks and
-``_sync_buffers()``, ``_set_ddp_sink_clone``, ``model.logger``).
+``_sync_buffers()``, ``_set_ddp_sink_clone``, ``model.logger``); a load runs the state_dict hooks as often as
+torch's (never), a torch DDP inside over a destroyed group is refused naming the destroy, and copies of a
+traced wrapper add to the original's trace file.
 The CPU tests' two-rank scenarios share one launch of the ranks
 (``launched``): starting ranks costs more than most scenarios.
 """
@@ -740,6 +742,92 @@ def test_process_group_reads_as_torchs_and_the_model_lets_go_of_it_when_destroye
                                       "this model: its process group was destroyed"), res
 
 
+def _torch_ddp_over_a_destroyed_group_inside(rank, world):
+    import fusedist
+
+    group = dist.new_group(list(range(world)))
+    inner = nn.parallel.DistributedDataParallel(nn.Linear(4, 2), process_group=group)
+    dist.destroy_process_group(group)
+    try:
+        fusedist.DistributedDataParallel(nn.Sequential(inner))
+        return "built"
+    except Exception as e:  # noqa: BLE001 - the test reads which
+        return f"{type(e).__name__}: {e}"
+
+
+def test_torch_ddp_inside_over_a_destroyed_group_is_refused_naming_the_destroy(launched):
+    """A torch DDP (inside the wrapped module) whose group was destroyed was refused as "over other ranks than
+    this wrapper's"; the refusal names the destroy."""
+    for rank, text in enumerate(results_of(launched, "torch ddp over a destroyed group inside")):
+        assert text == (
+            f"RuntimeError: fusedist.DistributedDataParallel (rank {rank}): the module holds torch's "
+            "DistributedDataParallel at '0' whose process group was destroyed (torch.distributed."
+            "destroy_process_group): its reducer would synchronize gradients over a group that no longer exists. "
+            "Wrap its .module (the module inside torch's wrapper) instead"), text
+
+
+def _state_dict_hooks_across_a_load(rank, world):
+    import collections
+
+    import fusedist
+
+    runs = {}
+    for name, wrap in (("fusedist", fusedist.DistributedDataParallel), ("torch", nn.parallel.DistributedDataParallel)):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2))
+        bare = module.state_dict()
+        model = wrap(module)
+        counts = runs[name] = collections.Counter()
+        module.register_state_dict_pre_hook(lambda *_args, counts=counts: counts.update(["module pre"]))
+        module[1].register_state_dict_post_hook(lambda *_args, counts=counts: counts.update(["child post"]))
+        model.register_state_dict_pre_hook(lambda *_args, counts=counts: counts.update(["wrapper pre"]))
+        saved = model.state_dict()
+        model.load_state_dict(saved)
+        if name == "fusedist":
+            model.load_state_dict(bare)  # (keys without "module.": torch's refuses them)
+    return {name: dict(counts) for name, counts in runs.items()}
+
+
+def test_state_dict_hooks_run_as_often_as_under_torch_ddp_across_a_load(launched):
+    """A load read the wrapper's own keys by calling ``state_dict()``, running the user's state_dict hooks
+    once more on every load; torch's DDP runs none on a load."""
+    for res in results_of(launched, "state_dict hooks across a load"):
+        assert res["fusedist"] == res["torch"] == {"module pre": 1, "child post": 1, "wrapper pre": 1}, res
+
+
+def _copies_write_one_trace(rank, world, directory):
+    import json
+    import os
+    import pickle
+
+    import fusedist
+
+    prefix = os.path.join(directory, "trace")
+    os.environ["FUSEDIST_TIMELINE"] = prefix
+    try:
+        model = fusedist.DistributedDataParallel(nn.Linear(4, 2))
+        copied = copy.deepcopy(model)
+        loaded = pickle.loads(pickle.dumps(model))
+    finally:
+        del os.environ["FUSEDIST_TIMELINE"]
+    backwards = {"original": (model, 2), "deep copy": (copied, 1), "loaded pickle": (loaded, 3)}
+    for name, (each, count) in backwards.items():
+        for _ in range(count):
+            each(torch.ones(2, 4)).sum().backward()
+    for name, (each, _) in backwards.items():
+        each.timeline.flush()  # (the last flush is a copy's: it must not drop the original's events)
+    with open(f"{prefix}.rank{rank}.json") as f:
+        events = json.load(f)["traceEvents"]
+    return sum(event["name"] == "backward begins" for event in events)
+
+
+def test_copies_of_a_traced_wrapper_add_to_the_same_trace_file(launched):
+    """A deep copy or a loaded pickle of a wrapper built under ``FUSEDIST_TIMELINE`` builds its timeline again:
+    it adds its events to the original's trace file, none of the original's lost to the copy's flush."""
+    for rank, backwards in enumerate(results_of(launched, "copies write one trace")):
+        assert backwards == 2 + 1 + 3, (rank, backwards)
+
+
 def _halving_hook(state, bucket):
     """Averages the bucket as torch's allreduce_hook does (annotations set per case below)."""
     buffer = bucket.buffer().div_(dist.get_world_size())
@@ -1004,7 +1092,7 @@ def test_gradient_as_bucket_view_false_keeps_torchs_default_gradient_tensors(lau
 
 # ---------------------------------------------------------------- the shared launch
 @pytest.fixture(scope="module")
-def launched(request):
+def launched(request, tmp_path_factory):
     # (the refused construction last: every rank raised at the same check, but nothing needs to follow it)
     return launch_for_selected(request, {
         "test_buffer_and_parameter_sync_options_match_torch": {"buffers": (_buffer_worker, ())},
@@ -1034,6 +1122,12 @@ def launched(request):
         "test_sink_clone_setting_and_the_logger_as_torch_ddps": {"sink clone, logger": (_sink_clone_and_logger, ())},
         "test_gradient_as_bucket_view_false_keeps_torchs_default_gradient_tensors": {
             "gradient views": (_gradient_views_beside_torch, ())},
+        "test_state_dict_hooks_run_as_often_as_under_torch_ddp_across_a_load": {
+            "state_dict hooks across a load": (_state_dict_hooks_across_a_load, ())},
+        "test_torch_ddp_inside_over_a_destroyed_group_is_refused_naming_the_destroy": {
+            "torch ddp over a destroyed group inside": (_torch_ddp_over_a_destroyed_group_inside, ())},
+        "test_copies_of_a_traced_wrapper_add_to_the_same_trace_file": {
+            "copies write one trace": (_copies_write_one_trace, (str(tmp_path_factory.mktemp("timeline")),))},
         "test_an_ignore_list_that_differs_between_ranks_is_refused_on_every_rank": {
             "ignore lists differ": (_ignore_lists_differ, ())},
     }, 2, timeout=480)

@@ -20,6 +20,9 @@ launch of the ranks:
   ZeroRedundancyOptimizer over the same optimizer (Note [a sharded optimizer's groups in its inner
   optimizer's keys] in fusedist/zero/optimizer.py), so checkpoints load both ways by the target's keys;
   and a sharded optimizer swapped in by the Lightning integration refuses pickling clearly.
+- ``optimizer.process_group`` is torch's group, held weakly: an optimizer kept past ``destroy_process_group()``
+  does not keep the group alive. ``torch.save(model)`` under ``overlap_param_gather=True`` works as under
+  torch's ZeRO, with the final parameters.
 
 Tolerance 1e-5 absolute: at most 7 AdamW steps (lr 0.02) on fp32 parameters of magnitude ~0.5; the
 sides differ in gradient summation order only (measured ~1e-7); a group stepping with another lr, or
@@ -34,6 +37,7 @@ import random
 import pytest
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from models import max_param_diff, raised
 from shared_rank_launch import launch_for_selected, results_of
@@ -381,6 +385,75 @@ def _swapped_pickling(rank, world, seed, directory):
     return out
 
 
+def _group_held_weakly(rank, world, seed, directory):
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    import fusedist
+
+    out = {}
+    group = dist.new_group(list(range(world)))
+    model = fusedist.DistributedDataParallel(_gk_model(seed), process_group=group)
+    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    plain = fusedist.ZeroRedundancyOptimizer(_gk_model(seed).parameters(), torch.optim.SGD, process_group=group,
+                                             lr=0.1)
+    theirs = TorchZero(_gk_model(seed).parameters(), torch.optim.SGD,
+                                                              process_group=group, lr=0.1)
+    out["before"] = (opt.process_group is group, plain.process_group is group, theirs.process_group is group)
+    model(torch.ones(2, 5)).sum().backward()
+    opt.step()
+    model.check_consistency()  # (the step check waited for: an unwaited collective holds its group until it is)
+    held = weakref.ref(group)
+    del theirs, group  # (torch's optimizer holds its group past the destroy)
+    gc.collect()
+    dist.destroy_process_group(held())
+    gc.collect()
+    out["freed"] = held() is None
+    out["after"] = (repr(opt.process_group), repr(plain.process_group))
+    return out
+
+
+def _pickled_under_overlapped_gathers(rank, world, seed, directory):
+    """torch.save(model) right after an overlapped step (its gathers in flight), against torch DDP + torch ZeRO."""
+    import fusedist
+
+    out = {}
+    torch.manual_seed(seed)
+    theirs = nn.parallel.DistributedDataParallel(_gk_model(seed))
+    theirs_opt = TorchZero(theirs.parameters(), torch.optim.SGD, lr=0.1)
+    for stage in (1, 2):
+        model = fusedist.DistributedDataParallel(_gk_model(seed))
+        opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.1,
+                                               overlap_param_gather=True)
+        for side, side_opt in ((model, opt), (theirs, theirs_opt)):
+            if stage == 2 and side is theirs:
+                continue
+            side(torch.ones(2, 5) * (rank + 1)).sum().backward()
+            side_opt.step()
+        saved = {}
+        for side, name in ((model, "ours"), (theirs, "torch")):
+            buffer = io.BytesIO()
+            try:
+                torch.save(side, buffer)
+                buffer.seek(0)
+                saved[name] = torch.load(buffer, weights_only=False)
+            except Exception as exc:  # noqa: BLE001 - the test reads it
+                saved[name] = f"{type(exc).__name__}: {exc}"
+        out[f"stage {stage}"] = {name: loaded if isinstance(loaded, str) else type(loaded).__name__
+                                 for name, loaded in saved.items()}
+        if not isinstance(saved["ours"], str):
+            loaded = saved["ours"]
+            out[f"stage {stage} loaded vs torch"] = max_param_diff(loaded.module, theirs.module)
+            out[f"stage {stage} loaded vs model"] = max_param_diff(loaded.module, model.module)
+            out[f"stage {stage} copied vs model"] = max_param_diff(copy.deepcopy(model).module, model.module)
+            with torch.no_grad():
+                out[f"stage {stage} loaded forward"] = max_param_diff(nn.ParameterList([loaded(torch.ones(2, 5))]),
+                                                                      nn.ParameterList([model(torch.ones(2, 5))]))
+    return out
+
+
 BY_TEST = {
     "test_load_takes_the_saved_groups_as_torch_adamw_does": {"groups": _loaded_groups},
     "test_pickling_refused_and_state_dicts_survive_copies_and_saves": {"pickled": _pickled},
@@ -388,6 +461,9 @@ BY_TEST = {
     "test_stage2_over_a_subset_with_scheduler_scaler_clip_checkpoint_and_join": {"stage 2": _stage2_subset},
     "test_sharded_optimizer_group_keys_match_torch_zero_and_load_both_ways": {"group keys": _group_keys},
     "test_sharded_optimizer_group_keys_swapped_zero_refuses_pickling_clearly": {"pickle": _swapped_pickling},
+    "test_process_group_held_weakly_as_the_ddp_wrapper_holds_it": {"group held weakly": _group_held_weakly},
+    "test_model_pickles_under_overlapped_gathers_as_under_torch_zero": {
+        "pickled under overlapped gathers": _pickled_under_overlapped_gathers},
 }
 
 
@@ -474,3 +550,30 @@ def test_sharded_optimizer_group_keys_swapped_zero_refuses_pickling_clearly(laun
             assert message.startswith(f"TypeError: ZeroRedundancyOptimizer (rank {rank} of 2) cannot be copied "
                                       "or pickled"), f"rank {rank}, {what}: {message}"
             assert "consolidate_state_dict(to=0)" in message, (what, message)
+
+
+
+def test_process_group_held_weakly_as_the_ddp_wrapper_holds_it(launched):
+    """``optimizer.process_group`` is the group (as torch's ZeroRedundancyOptimizer's), given or the DDP model's;
+    an optimizer kept past ``destroy_process_group()`` does not keep the destroyed group alive (torch's does, into
+    the interpreter's finalization, where freeing a gloo group can abort the process) and reads None after."""
+    for rank, out in enumerate(results_of(launched[1], "group held weakly")):
+        assert out["before"] == (True, True, True), f"rank {rank}: {out}"
+        assert out["freed"] is True, f"rank {rank}: {out}"
+        assert out["after"] == ("None", "None"), f"rank {rank}: {out}"
+
+
+def test_model_pickles_under_overlapped_gathers_as_under_torch_zero(launched):
+    """``torch.save(model)`` of a DDP model under ZeroRedundancyOptimizer(overlap_param_gather=True) works as
+    under torch's ZeRO (its gather waits were lambdas on the model: "Can't pickle local object"), saved right
+    after a step with its gathers in flight: the loaded model holds the final parameters and runs forwards."""
+    seed, results = launched
+    for rank, out in enumerate(results_of(results, "pickled under overlapped gathers")):
+        where = f"seed {seed}, rank {rank}: {out}"
+        for stage in (1, 2):
+            assert out[f"stage {stage}"]["ours"] == "DistributedDataParallel", where
+            assert out[f"stage {stage} loaded vs model"] == 0.0, where
+            assert out[f"stage {stage} copied vs model"] == 0.0, where
+            assert out[f"stage {stage} loaded forward"] == 0.0, where
+        assert out["stage 1"]["torch"] == "DistributedDataParallel", where
+        assert out["stage 1 loaded vs torch"] <= TOL, where

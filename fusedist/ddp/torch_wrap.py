@@ -44,7 +44,8 @@ Note [torch's DDP inside a fusedist wrapper]
     the fusedist wrapper, which reduces each once. A backward through the torch wrapper alone is
     then unsynchronized and its step refused (Note [a backward no DDP forward prepared] in
     prepared.py). Refused at construction, by the torch wrapper's path, where that would change
-    the numbers: a torch wrapper over other ranks (its average is another one), with a
+    the numbers: a torch wrapper whose group was destroyed (named as such: a destroyed group spans no ranks,
+    and read as "other ranks" it gave the wrong reason), one over other ranks (its average is another one), with a
     communication hook (which the fusedist wrapper would not apply), or with ``static_graph``
     (whose first backward torch's reducer schedules itself).
 """
@@ -56,6 +57,7 @@ import weakref
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from .. import ownership
+from ..comm.released_group import is_alive
 from .._process_hooks import install_module_registration_hook
 from .succession import followers_of, same_ranks, stage2_consumer
 
@@ -159,6 +161,12 @@ def quiet_torch_wrappers_inside(module, process_group, rank: int) -> None:
         if not isinstance(inner, TorchDDP):
             continue
         why = None
+        if inner.process_group is not None and not is_alive(inner.process_group):
+            raise RuntimeError(
+                f"fusedist.DistributedDataParallel (rank {rank}): the module holds torch's DistributedDataParallel "
+                f"at '{path or '<root>'}' whose process group was destroyed (torch.distributed."
+                "destroy_process_group): its reducer would synchronize gradients over a group that no longer exists. "
+                "Wrap its .module (the module inside torch's wrapper) instead")
         if not same_ranks(inner.process_group, process_group):
             why = "over other ranks than this wrapper's (the average of the two would be over both groups)"
         elif getattr(inner, "_comm_hooks", None) or getattr(inner, "_use_python_reducer", False):

@@ -535,7 +535,7 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, BufferCommHooks,
         keys = list(state_dict.keys())
         # Bare when no key is one of this wrapper's own: a module whose own child is named
         # ``module`` has bare keys that start with "module." too.
-        own = self.state_dict(keep_vars=True).keys()
+        own = _state_dict_keys(self)
         if keys and not any(k in own for k in keys) and any("module." + k in own for k in keys):
             metadata = getattr(state_dict, "_metadata", None)
             state_dict = OrderedDict(("module." + k, v) for k, v in state_dict.items())
@@ -545,3 +545,11 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, BufferCommHooks,
                 )
         return super().load_state_dict(state_dict, strict=strict)
 
+
+def _state_dict_keys(module) -> set:
+    """The keys ``module.state_dict()`` gives, without running its state_dict hooks: a load reads them only to
+    tell a bare module's keys, and torch's DDP runs no user hook of the save on a load."""
+    keys: dict = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        sub._save_to_state_dict(keys, f"{path}." if path else "", True)
+    return set(keys)

@@ -19,6 +19,14 @@ Note [overlapped parameter gathers]
     must: the overlap is opt-in, and the forward pre-hooks, ``state_dict`` hooks and the
     compiled-forward waiter exist only with it. Its gain is what the gathers cost the
     iteration (benchmarks/bench_zero.py, rows 'zero2' and 'zero2 overlapped gather').
+
+Note [a model pickled under overlapped gathers]
+    ``torch.save(model)`` (and ``pickle.dumps`` or ``copy.deepcopy``) of a DDP model works under torch's
+    ZeroRedundancyOptimizer, which installs no hook on the model. The waits above are hooks on the model's
+    modules, so they are pickled with it: each is a :class:`GatherWait`, whose pickled form waits for the
+    gathers in flight first (``torch.save`` writes the tensors' data after pickling the whole model, so it
+    writes the final parameters) and loads as a hook that waits for nothing -- the copy has no gathers, and
+    no optimizer of its own until one is built for it.
 """
 
 from __future__ import annotations
@@ -81,8 +89,8 @@ class ParamGatherer:
         ddp.add_param_waiter(self.wait_before_forward)
         # model.state_dict() (and so torch.save of the model) sees the updated parameters too,
         # and model.load_state_dict() is not overwritten by an all-gather still in flight.
-        self.hooks.append(ddp.module.register_state_dict_pre_hook(lambda *_args: self.wait_all()))
-        self.hooks.append(ddp.module.register_load_state_dict_pre_hook(lambda *_args: self.wait_all()))
+        self.hooks.append(ddp.module.register_state_dict_pre_hook(GatherWait(self)))
+        self.hooks.append(ddp.module.register_load_state_dict_pre_hook(GatherWait(self)))
 
     def release(self) -> None:
         """Wait for the gathers in flight, then take the hooks off the model: its optimizer is
@@ -113,8 +121,7 @@ class ParamGatherer:
                     needed |= buckets_of[p]
             if needed:
                 indices = sorted(needed)
-                self.hooks.append(module.register_forward_pre_hook(
-                    lambda _m, _inp, indices=indices: self.wait(indices)))
+                self.hooks.append(module.register_forward_pre_hook(GatherWait(self, indices)))
 
     def wait_before_forward(self, traced: bool) -> None:
         """Called by the DDP wrapper before each forward of its module (Note [hooks inside
@@ -124,6 +131,28 @@ class ParamGatherer:
             self.release()
         elif traced or self.compiled_inside:
             self.wait_all()
+
+
+class GatherWait:
+    """A hook on the model that waits for the gathers of ``indices`` (all of them when None). An object
+    rather than a lambda, so that the model pickles (Note [a model pickled under overlapped gathers])."""
+
+    def __init__(self, gatherer, indices=None):
+        self.gatherer = gatherer
+        self.indices = indices
+
+    def __call__(self, *_args, **_kwargs) -> None:
+        if self.gatherer is None:
+            return
+        if self.indices is None:
+            self.gatherer.wait_all()
+        else:
+            self.gatherer.wait(self.indices)
+
+    def __reduce__(self):
+        if self.gatherer is not None:
+            self.gatherer.wait_all()  # (what the copy holds is the parameters' final values)
+        return type(self), (None, self.indices)
 
 
 def _uses_compile(root: torch.nn.Module) -> bool:

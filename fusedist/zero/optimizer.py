@@ -52,12 +52,13 @@ from .partition import FlatParams, FlatPartition
 from .pieces import PieceSplittingMixin
 from .scaling import ZeroScalerProtocol
 from .sharded_state import ShardedState
+from .held_group import HeldProcessGroup
 from .shards import ShardsMixin
 
 MiB = 1024 * 1024
 
 
-class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplittingMixin, ShardsMixin,
+class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplittingMixin, ShardsMixin, HeldProcessGroup,
                               Optimizer, JoinableOptimizer):
     """Shards FP32 master weights and optimizer state (stage 1), and gradients (stage 2),
     evenly over the data-parallel ranks.

@@ -21,7 +21,9 @@ seed is in every assertion message).
   and, without a DDP model, a step on a rank with no gradients while another has some. The same
   spawn builds an optimizer again for the same model (stage 1 and 2, against torch's AdamW
   rebuilt alike): the model kept every optimizer built for it alive, with the hooks of its
-  overlapped gathers, and a second stage-2 optimizer was refused.
+  overlapped gathers, and a second stage-2 optimizer was refused. It also deep-copies and
+  pickles the model right after an overlapped step, the gathers held back by a rank that steps
+  late: the copy held the other ranks' slices from before the step.
 * One process: a step or clip compiled with ``fullgraph=True`` is refused with the reason it
   runs eagerly; an inner torch optimizer built with ``fused=True`` steps under the GradScaler as
   torch's does with torch's scaler (overflowed step skipped on the device).
@@ -426,8 +428,36 @@ def _built_again(rank, ws, seed):
     return out
 
 
+def _copies_under_gathers_in_flight(rank, ws, seed):
+    """A deep copy and a loaded pickle of the DDP model taken right after an overlapped step, while
+    its parameter all-gathers are in flight (held back: rank 1 steps half a second late). The model is one
+    Linear, whose own parameters are copied before its hooks are: each copy's parameters minus the
+    model's once it waited for its gathers."""
+    import pickle
+    import time
+
+    import fusedist
+
+    out = {}
+    for how in ("deepcopy", "pickle"):
+        torch.manual_seed(seed)
+        ddp = fusedist.DistributedDataParallel(nn.Linear(7, 3))
+        opt = fusedist.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.5,
+                                               overlap_param_gather=True)
+        x, y = _batch(seed, 0, rank, ws)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        if rank == 1:
+            time.sleep(0.5)
+        opt.step()
+        copied = copy.deepcopy(ddp) if how == "deepcopy" else pickle.loads(pickle.dumps(ddp))
+        opt.wait_for_params()
+        out[how] = (_flat(copied.module) - _flat(ddp.module)).abs().max().item()
+    return out
+
+
 def _drop_in_checks(rank, ws, seed):
-    return {"refusals": _refusal_worker(rank, ws, seed), "built again": _built_again(rank, ws, seed)}
+    return {"refusals": _refusal_worker(rank, ws, seed), "built again": _built_again(rank, ws, seed),
+            "copies in flight": _copies_under_gathers_in_flight(rank, ws, seed)}
 
 
 @pytest.fixture(scope="module")
@@ -453,6 +483,14 @@ def test_optimizer_built_again_trains_as_torch_and_frees_the_old_one(two_rank_ru
         assert "a newer stage-2 optimizer was built" in out["stage 2 old step"], where
         assert f"(rank {rank})" in out["stage 2 unstepped"], where
         assert "holds the gradients of a backward it has not stepped" in out["stage 2 unstepped"], where
+
+
+def test_a_copy_taken_while_parameter_gathers_are_in_flight_holds_the_final_parameters(two_rank_run):
+    seed, results = two_rank_run
+    for rank, per_rank in enumerate(results):
+        out = per_rank["copies in flight"]
+        where = f"seed {seed}, rank {rank}: {out}"
+        assert out["deepcopy"] == 0.0 and out["pickle"] == 0.0, where
 
 
 def test_refusals_name_the_parameter_and_ranks(two_rank_run):

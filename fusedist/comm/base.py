@@ -16,15 +16,14 @@ import abc
 import contextlib
 import datetime
 import itertools
-import re
 import time
 from typing import Callable, Optional
 
 import torch
 
 from ..distributed import bounded_timeout, collective_timeout, wait_timeout
-from .closed_connections import PeerClosedConnection
 from .checks import _overlaps, _row_numel, _tag, check_flat, check_in_place, check_op
+from .failure_wording import is_timeout as _is_timeout, still_running_message, why_failed
 from .group_ranks import global_note, global_ranks
 from .sliced_wait import wait_probed
 
@@ -163,7 +162,7 @@ class CommHandle:
         self._error = CollectiveError(
             f"fusedist: {self.op} (tag {self.tag!r}, collective #{self.seq}) failed on rank "
             f"{self._comm.rank} of {self._comm.world_size}{self._comm._global_note([self._comm.rank])}: "
-            f"{self._why(exc, wait_timeout)}", op=self.op, tag=self.tag, rank=self._comm.rank, seq=self.seq)
+            f"{why_failed(self, exc, wait_timeout)}", op=self.op, tag=self.tag, rank=self._comm.rank, seq=self.seq)
         # [reliability] the observer may return a richer error (a stall report): raise that.
         self._error = self._comm._on_failure(self, self._error) or self._error
         self._group = None
@@ -176,50 +175,10 @@ class CommHandle:
         left = self._launched + self._timeout.total_seconds() - time.monotonic()
         return datetime.timedelta(seconds=max(left, 1e-3))
 
-    def _why(self, exc: Exception, wait_timeout: Optional[datetime.timedelta]) -> str:
-        """The backend's error, preceded for a timeout by what the backend's own message may
-        not say (gloo's reads "Operation timed out!"): how long the collective had been
-        running, which timeout ended it and the peers it involves (Note [one deadline per
-        collective])."""
-        elapsed = time.monotonic() - self._launched
-        ended = self._comm._ended_under_collective()
-        if ended:  # (whatever the backend says: a timeout, a closed connection)
-            return f"{ended}; it ended {elapsed:.1f} s after its launch: {exc}"
-        if not _is_timeout(exc):
-            return str(exc)
-        comm, limit = self._comm, self._timeout.total_seconds()
-        group_limit = comm._transport_timeout(self._work) if self._work is not None else None
-        if wait_timeout is not None:
-            cause = f"the timeout of this wait, {wait_timeout.total_seconds():g} s"
-        elif group_limit is not None and group_limit < limit and elapsed < limit:
-            cause = (f"the process group's own timeout, {group_limit:g} s, which ends gloo's collectives before "
-                     f"fusedist's collective timeout ({limit:g} s, FUSEDIST_TIMEOUT_S) would; give the process "
-                     "group a timeout at least as long")
-        else:
-            cause = f"fusedist's collective timeout, {limit:g} s"
-        peers = [r for r in range(comm.world_size) if r != comm.rank]
-        return (f"timed out {elapsed:.1f} s after its launch ({cause}); some rank of {peers}"
-                f"{comm._global_note(peers)} did not join it, or joined another collective: {exc}")
-
     def _still_running(self, timeout: datetime.timedelta, exc: Exception) -> CollectiveError:
-        """A wait shorter than the collective's timeout ran out and the collective goes on: as
-        with a torch gloo work, the error is not recorded (a later ``wait`` returns the result)
-        nor reported as a failure."""
-        return CollectiveError(
-            f"fusedist: {self.op} (tag {self.tag!r}, collective #{self.seq}) on rank {self._comm.rank} of "
-            f"{self._comm.world_size}, waited for with a shorter timeout ({timeout.total_seconds():g} s) than the "
-            f"communicator's ({self._timeout.total_seconds():g} s): {exc}. "
-            "The collective goes on: wait() again for its result",
-            op=self.op, tag=self.tag, rank=self._comm.rank, seq=self.seq)
-
-
-def _is_timeout(exc: BaseException) -> bool:
-    """Whether a backend's error is a timeout (gloo: "Timed out waiting 2000ms for recv
-    operation", "Operation timed out!"; the exchange's TimeoutError). A connection a peer closed is
-    not, even where the peer's error it quotes was (Note [connections a peer closed])."""
-    if isinstance(exc, PeerClosedConnection):
-        return False
-    return isinstance(exc, TimeoutError) or re.search(r"timed out", str(exc), re.IGNORECASE) is not None
+        """(Not recorded as the collective's failure: a later ``wait`` returns the result.)"""
+        return CollectiveError(still_running_message(self, timeout, exc),
+                               op=self.op, tag=self.tag, rank=self._comm.rank, seq=self.seq)
 
 
 class Communicator(abc.ABC):

@@ -42,6 +42,15 @@ Note [what a copy keeps]
     compiled in place (``model.compile()``) gives an uncompiled copy -- torch's copy keeps the
     compiled call, which is bound to the original and so runs the original's weights; compile
     the copy again.
+
+Note [a copy under overlapped gathers]
+    Under a ZeroRedundancyOptimizer with ``overlap_param_gather=True``, a copy or pickle taken right
+    after a step finds the parameter all-gathers of that step in flight. The hooks that wait for them
+    are copied with the module and wait as they are copied (Note [a model pickled under overlapped
+    gathers] in fusedist/zero/gather.py), but a module's own parameters are copied before its hooks: a
+    copy of a model whose root holds parameters kept the other ranks' slices from before the step. So the
+    wrapper's copy and pickle first wait for every gather in flight, through the waiters a compiled
+    forward calls, and copy the final parameters, as a copy under torch's ZeroRedundancyOptimizer does.
 """
 
 from __future__ import annotations
@@ -126,8 +135,15 @@ def _restore_kept_state(wrapper, kept: dict) -> None:
         setattr(wrapper, name, value)
 
 
+def _wait_for_gathers_in_flight(wrapper) -> None:
+    """Let the parameter all-gathers still in flight land before the module is copied (Note [a copy under
+    overlapped gathers])."""
+    wrapper._wait_for_params(True)  # (told the forward is traced, a waiter waits for every gather)
+
+
 def copy_wrapper(wrapper, memo: dict):
     """A deep copy of ``wrapper`` (Notes [copies of the wrapper], [what a copy keeps])."""
+    _wait_for_gathers_in_flight(wrapper)
     for shared in (wrapper.process_group, wrapper.device_mesh):
         if shared is not None:
             memo[id(shared)] = shared  # the same group, not a copy of it
@@ -159,6 +175,7 @@ def pickled_wrapper(wrapper) -> tuple:
     if group is not default:
         _refuse_pickling(wrapper, f"it was built over a process group other than the default one (ranks "
                                   f"{dist.get_process_group_ranks(group)})")
+    _wait_for_gathers_in_flight(wrapper)
     options = twin_arguments(wrapper)
     options.pop("process_group", None)
     if wrapper._comm_hook is not None:  # (a compression hook's reduce_dtype: torch keeps no hook either)

@@ -24,12 +24,24 @@ other sections (tests/test_gpu_pending_paths_ws2.py) would be lost with it.
   are put back (Note [the buffers a failed step puts back] in fusedist/_pipeline_step_failures.py:
   a count first updated in the failed step from its snapshot, kept in host memory for a CUDA
   buffer), and the next good step gives the unpipelined model's buffers and gradients (``1e-6``).
+* **The step check's verdict at a pipeline step's end on CUDA** (Note [the step check's verdict read at the
+  step's end] in fusedist/_pipeline_step_verdict.py), the CPU cases of
+  tests/test_pipeline_stages_clip_and_found_inf_group.py on CUDA over NCCL, DDP and fully_shard stages whose
+  data-parallel peers diverged before the first step (rank 1 ran an extra forward, or put a module in eval
+  mode). In the pipeline launch, one-rank pipelines (pp 1 x dp 2): no status exchange, and the verdict waits
+  behind an event, so as documented the step ends (its SGD step applies) and the next forward raises the
+  check's RankMismatchError on both ranks, naming the counts or modes. Its own launch of four ranks (2 pp x 2
+  dp, 1F1B and interleaved 1F1B; run by the four-ranks-on-one-GPU group, skipped with room for two): the
+  verdict rides the step's status all-reduce as a device flag, and the first step raises on every rank before
+  any optimizer step (no weight moved), stage 0's ranks the check's own error, stage 1's a RuntimeError naming
+  stage 0's replicas -- as on the host. The synchronizing CUDA calls of the steps that ended are printed.
 """
 
 from __future__ import annotations
 
 import copy
 import random
+import re
 import time
 import traceback
 
@@ -193,10 +205,98 @@ def _pipeline_ended_stage(rank, world_size, seed):
     return out
 
 
+# ------------------------------------------------------------------ data-parallel peers that diverged
+def _cuda_stage(kind, seed, mesh, device):
+    """A stage module of ``kind`` ("ddp", "fully_shard") on ``device`` over the mesh's "dp" group, its
+    weights' module and SGD (tests/test_pipeline_stages_clip_and_found_inf_group.py's stages, on CUDA)."""
+    import fusedist
+    from test_pipeline_stages_clip_and_found_inf_group import _model
+
+    model = _model(seed).to(device)
+    if kind == "fully_shard":
+        fusedist.fully_shard(model, mesh=mesh["dp"])
+        return model, model, torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = dict(device_ids=[device.index]) if device.type == "cuda" else {}
+    run = fusedist.DistributedDataParallel(model, process_group=mesh["dp"].get_group(), **kw)
+    return run, model, torch.optim.SGD(run.parameters(), lr=0.1)
+
+
+def _chain(error):
+    """The type names and texts of an exception and its causes (torch's stage wraps a forward's error)."""
+    kinds, texts = [], []
+    while error is not None:
+        kinds.append(type(error).__name__)
+        texts.append(str(error))
+        error = error.__cause__ or error.__context__
+    return kinds, "\n".join(texts)
+
+
+_MESHES: dict = {}  # the meshes of this rank's process, by pipeline size
+
+
+def _diverged_peers(rank, world_size, seed, layout, kind):
+    """The CPU case of tests/test_pipeline_stages_clip_and_found_inf_group.py (``_diverged_peers_worker``) on
+    CUDA over NCCL: ``kind`` stages under ``layout`` (1F1B or interleaved 1F1B over a 2 (pp) x 2 (dp) mesh, or
+    one-rank pipelines over a 1 x ``world_size`` mesh), SGD after each step; before the first step rank 1 runs
+    an extra training forward of its (first) DDP stage, or puts the Tanh of its fully_shard stage in eval mode.
+    (the step that raised, the chain's types and text, the largest change of the weights, and the synchronizing
+    CUDA calls of each schedule step that returned)."""
+    from test_gpu_pending_paths_ws2 import _syncs_on
+    from test_pipeline_stages_clip_and_found_inf_group import STAGES, WIDTH
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+
+    from fusedist.pipelining import PipelineStage
+
+    device = _device(rank)
+    pp = 1 if layout == "one-rank pipelines" else STAGES
+    if pp not in _MESHES:  # (one per launch: each new group is one more NCCL communicator to set up)
+        _MESHES[pp] = init_device_mesh(device.type, (pp, world_size // pp), mesh_dim_names=("pp", "dp"))
+    mesh = _MESHES[pp]
+    first_local = rank // mesh["dp"].size()
+    local = [first_local] if layout != "interleaved" else [first_local, 2 + first_local]
+    stages = len(local) * pp
+    built = [_cuda_stage(kind, seed + index, mesh, device) for index in local]
+    pipelines = [PipelineStage(run, index, stages, device, group=mesh["pp"].get_group())
+                 for index, (run, _, _) in zip(local, built)]
+    loss = lambda o, t: (o - t).square().mean()  # noqa: E731
+    schedule = (ScheduleInterleaved1F1B(pipelines, n_microbatches=2, loss_fn=loss) if layout == "interleaved"
+                else Schedule1F1B(pipelines[0], n_microbatches=2, loss_fn=loss))
+    before = [p.detach().clone() for _, model, _ in built for p in model.parameters()]
+    first, last = 0 in local, stages - 1 in local
+    g = torch.Generator().manual_seed(seed + rank)
+    raised, syncs = None, []
+    for step in range(2):
+        x, y = torch.randn(4, WIDTH, generator=g).to(device), torch.randn(4, WIDTH, generator=g).to(device)
+        if rank == 1 and step == 0 and kind == "ddp":
+            built[0][0](x)  # (a loss computed and dropped: the peers' forward counts now differ)
+        elif rank == 1 and step == 0:
+            built[0][1][1].eval()  # (the peers' modes now differ)
+        try:
+            _, count = _syncs_on(device, lambda: schedule.step(*([x] if first else []),
+                                                               **({"target": y} if last else {})))
+            syncs.append(count)
+        except RuntimeError as e:
+            raised = (step, *_chain(e))
+            break
+        for _, _, opt in built:
+            opt.step()
+            opt.zero_grad()
+    moved = max(float((p.detach() - q).abs().max()) if q.numel() else 0.0
+                for p, q in zip((p for _, model, _ in built for p in model.parameters()), before))
+    return dict(raised=raised, moved=moved, syncs=syncs)
+
+
+def _diverged_one_rank_pipelines(rank, world_size, seed):
+    return {kind: _or_traceback(lambda: _diverged_peers(rank, world_size, seed, "one-rank pipelines", kind))
+            for kind in ("ddp", "fully_shard")}
+
+
 def _pipelines(rank, world_size, seed):
     torch.cuda.set_device(_device(rank))
     return {**_pipeline_several_stages(rank, world_size, seed), "buffers": _pipeline_buffers_put_back(
-        rank, world_size, seed), "ended": _or_traceback(lambda: _pipeline_ended_stage(rank, world_size, seed))}
+        rank, world_size, seed), "ended": _or_traceback(lambda: _pipeline_ended_stage(rank, world_size, seed)),
+        "diverged": _diverged_one_rank_pipelines(rank, world_size, seed)}
 
 
 def _or_traceback(call):
@@ -271,3 +371,68 @@ def test_pipeline_stage_that_ended_in_a_failed_step_is_put_back_on_cuda(pipeline
             assert "raised at another stage of this rank after this stage's part of it had ended" in following \
                 and "cannot be put back" in following, where
             assert outcome, where
+
+
+def test_one_rank_pipelines_whose_cuda_peers_diverged_raise_at_the_next_forward(pipelines):
+    """Note [the step check's verdict read at the step's end] (fusedist/_pipeline_step_verdict.py): a pipeline
+    of one rank has no status exchange, and on CUDA its stage's verdict is not readable without the host
+    waiting on the device, so it is read at the next forward, as before (on the host, tests/
+    test_pipeline_stages_clip_and_found_inf_group.py, at the step's end). Each rank a one-rank pipeline of a DDP
+    or fully_shard stage over NCCL, rank 1 diverging before the first step: that step ends on both ranks (its
+    SGD step applies), and the next step's first forward raises the check's RankMismatchError on both, naming
+    the forward counts or modes that differ."""
+    seed, results = pipelines
+    for rank, res in enumerate(results):
+        for kind, r in res["diverged"].items():
+            assert "error" not in r, f"seed {seed}, rank {rank}, {kind}:\n{r.get('error')}"
+            where = f"seed {seed}, rank {rank}, {kind}: {r}"
+            assert r["raised"] is not None and r["raised"][0] == 1, where
+            _, kinds, text = r["raised"]
+            assert "RankMismatchError" in kinds and "ranks diverged" in text, where
+            assert "reported at the next training forward" in text, where
+            if kind == "ddp":
+                counts = re.search(r"forward: ranks \[0\]: (\d+); ranks \[1\]: (\d+)", text)
+                assert counts and int(counts[2]) == int(counts[1]) + 1, where
+            else:
+                assert re.search(r"modes: ranks \[0\] \| ranks \[1\] ran in different modes", text), where
+            assert r["moved"] > 0 and len(r["syncs"]) == 1, where
+            print(f"rank {rank}, {kind}: synchronizing calls of the step that ended: {r['syncs']}")
+
+
+# ------------------------------------------------------------------ world size 4: the verdict at the step's end
+_WS4_LAYOUTS, _WS4_KINDS = ("1F1B", "interleaved"), ("ddp", "fully_shard")
+
+
+def _diverged_ws4(rank, world_size, seed):
+    torch.cuda.set_device(_device(rank))
+    return {f"{layout} {kind}": _or_traceback(lambda: _diverged_peers(rank, world_size, seed, layout, kind))
+            for layout in _WS4_LAYOUTS for kind in _WS4_KINDS}
+
+
+@requires_rank_slots(4)
+def test_cuda_stages_whose_peers_diverged_raise_at_the_step_end_before_the_optimizer_step():
+    """Note [the step check's verdict read at the step's end]: 2 (pp) x 2 (dp) over NCCL on CUDA, 1F1B and
+    interleaved 1F1B, DDP or fully_shard stages, rank 1 (stage 0's second replica) diverging before the first
+    step. The verdict rides the step's status all-reduce as a device flag (the step's stream waits for the
+    check's copy event): as on the host (tests/test_pipeline_stages_clip_and_found_inf_group.py), the first
+    step raises on every rank before any optimizer step -- no weight moved -- stage 0's ranks the check's
+    RankMismatchError naming the counts or modes, stage 1's a RuntimeError naming stage 0's replicas. Its own
+    launch of four ranks (run with four ranks on one GPU: ``FUSEDIST_TEST_RANKS_PER_GPU=4``)."""
+    seed = random.randrange(2**20)
+    results = run_distributed(_diverged_ws4, 4, seed, backend="nccl", timeout=180, pg_timeout=30)
+    for rank, res in enumerate(results):
+        for case, r in res.items():
+            assert "error" not in r, f"seed {seed}, rank {rank}, {case}:\n{r.get('error')}"
+            where = f"seed {seed}, rank {rank}, {case}: {r}"
+            assert r["raised"] is not None and r["raised"][0] == 0 and r["moved"] == 0.0, where
+            _, kinds, text = r["raised"]
+            assert "ranks diverged" in text and "before any optimizer step" in text, where
+            if case.endswith("ddp"):
+                counts = re.search(r"forward: ranks \[0(?:, 2, 3)?\]: (\d+); ranks \[1\]: (\d+)", text)
+                assert counts and int(counts[2]) == int(counts[1]) + 1, where
+            else:
+                assert re.search(r"modes: ranks \[0(?:, 2, 3)?\] \| ranks \[1\] ran in different modes", text), where
+            if rank // 2 == 0:  # stage 0's data-parallel ranks: the check's own error
+                assert kinds[0] == "RankMismatchError", where
+            else:  # told by their pipeline's exchange
+                assert kinds[0] == "RuntimeError" and "replicas of stage 0 diverged" in text, where

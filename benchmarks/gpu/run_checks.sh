@@ -43,7 +43,7 @@ BUDGET_S="${FUSEDIST_GPU_BUDGET_S:-525}"  # stay under 9 minutes in total
 # Raised from 240 with the world-size-2 estimate below (+30 s), so that the fault matrix's 60 s
 # still fit after the world-size-2 group's estimate; the benchmarks' share is 25 s smaller. Raised
 # again from 265 with the world-size-2 estimate (+15 s, below): the benchmarks' share is 15 s smaller.
-MULTI_S="${FUSEDIST_GPU_MULTI_S:-280}"
+MULTI_S="${FUSEDIST_GPU_MULTI_S:-290}"
 # The multi-rank groups, in priority order: "label|ranks per GPU|estimated s|tests" (whole
 # files, or node ids of files whose other GPU tests stay in the GPU tier). The GPU tier leaves
 # all of their tests out. tests/test_gpu_pending_paths_ws2.py (two more spawns, not yet timed on a
@@ -55,9 +55,12 @@ MULTI_S="${FUSEDIST_GPU_MULTI_S:-280}"
 # launch's stage put back after a failed step (no spawn more: ~10-15 s in all, 16 s on 2 CPU cores
 # with the spawn), not yet timed on a GPU, to 220 s. The pipeline launch now lives in
 # tests/test_gpu_pending_pipeline_ws2.py (the same spawn, moved: no change to the estimate).
-MULTI_GROUPS="ws2 vs torch (2 ranks on GPU 0)|2|220|tests/test_nccl_multirank_gpu.py tests/test_gpu_tier_ws2.py tests/test_gpu_pending_paths_ws2.py tests/test_gpu_pending_pipeline_ws2.py tests/test_reliability.py::test_divergence_detected_on_cuda tests/test_syncbn.py::test_nccl_unequal_batches tests/test_zero.py::test_zero_nccl_matches_unsharded_adamw
+# Its CUDA step-check cases of a one-rank pipeline and the dropped fully_shard model's memory (no spawn
+# more: ~5-10 s), not yet timed on a GPU, to 230 s, and MULTI_S to 290 s so that the fault matrix still
+# fits after it; the 4-rank step-end divergence case joins the ws4 group (its own spawn: ~25 s), to 55 s.
+MULTI_GROUPS="ws2 vs torch (2 ranks on GPU 0)|2|230|tests/test_nccl_multirank_gpu.py tests/test_gpu_tier_ws2.py tests/test_gpu_pending_paths_ws2.py tests/test_gpu_pending_pipeline_ws2.py tests/test_reliability.py::test_divergence_detected_on_cuda tests/test_syncbn.py::test_nccl_unequal_batches tests/test_zero.py::test_zero_nccl_matches_unsharded_adamw
 fault matrix on NCCL (2 ranks on GPU 0)|2|60|tests/test_fault_matrix_gpu.py tests/test_fault_matrix_ws2.py
-ws4 collectives (4 ranks on GPU 0)|4|30|tests/test_nccl_multirank_gpu.py::test_ws4_communicator_equals_torch_nccl"
+ws4 collectives (4 ranks on GPU 0)|4|55|tests/test_nccl_multirank_gpu.py::test_ws4_communicator_equals_torch_nccl tests/test_gpu_pending_pipeline_ws2.py::test_cuda_stages_whose_peers_diverged_raise_at_the_step_end_before_the_optimizer_step"
 MULTI_TESTS="$(cut -d'|' -f4 <<<"$MULTI_GROUPS" | tr ' ' '\n')"
 MULTI_SKIP=()  # pytest options that leave MULTI_TESTS out of the GPU tier
 for t in $MULTI_TESTS; do

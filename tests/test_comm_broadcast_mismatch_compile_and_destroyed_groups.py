@@ -356,7 +356,7 @@ def _dropped_wrapper_frees_its_engine(rank, world, features):
     watch = model.watch
     engine = weakref.ref(model.reducer)
     carried = watch.carries(model.reducer)
-    pending = watch.step_check._pending is not None
+    pending = watch.step_check.is_pending()
     monitor = watch.monitor
     gc.disable()
     try:
@@ -423,7 +423,7 @@ def _finished_handle_lets_go(rank, world):
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 4), process_group=group)
     model(torch.randn(4, 4)).sum().backward()
-    pending = model.watch.step_check._pending is not None
+    pending = model.watch.step_check.is_pending()
     held, group = [group], None
     alive = bool(_alive_after_destroy(held))
     return {"pending": pending, "alive": alive}

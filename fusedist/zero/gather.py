@@ -26,7 +26,9 @@ Note [a model pickled under overlapped gathers]
     modules, so they are pickled with it: each is a :class:`GatherWait`, whose pickled form waits for the
     gathers in flight first (``torch.save`` writes the tensors' data after pickling the whole model, so it
     writes the final parameters) and loads as a hook that waits for nothing -- the copy has no gathers, and
-    no optimizer of its own until one is built for it.
+    no optimizer of its own until one is built for it. A module's own parameters are pickled before its
+    hooks, so the DDP wrapper's copy and pickle wait for every gather first (Note [a copy under overlapped
+    gathers] in fusedist/ddp/copies.py).
 """
 
 from __future__ import annotations

@@ -185,14 +185,13 @@ def _lone_exchange_worker(rank, world_size, directory):
             coordinator.all_gather(None, "test exchange")
     except StallError as exc:
         out["construction"] = (str(exc), exc.report, time.monotonic() - start)
-    # Keep the default group up until rank 0 has its report: rank 1 waits for rank 0's word
-    # (a sleep of a few seconds assumed the ranks raise within that of each other, which a
-    # loaded machine need not keep).
+    # Keep the default group up until both ranks have their reports: each waits for the other's word
+    # (a sleep of a few seconds assumed the ranks raise within that of each other, which a loaded
+    # machine need not keep; and rank 0 leaving before rank 1's report was read made it say rank 0
+    # exited, where it did not report).
     done = dist.FileStore(os.path.join(os.path.dirname(directory), "lone-exchange-done"), 2)
-    if rank == 0:
-        done.set("rank 0 reported", "1")
-    else:
-        done.wait(["rank 0 reported"], datetime.timedelta(seconds=60))
+    done.set(f"rank {rank} reported", "1")
+    done.wait([f"rank {1 - rank} reported"], datetime.timedelta(seconds=60))
     return out
 
 

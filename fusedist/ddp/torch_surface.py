@@ -52,7 +52,8 @@ Note [the process group, held weakly]
     fusedist/comm/released_group.py). So the wrapper holds the group by a weak reference: it reads as
     torch's attribute while torch.distributed has the group, and None once the group was destroyed --
     freed, or still held by the program but no longer usable. A copy of a wrapper whose group was
-    destroyed is refused (None would build the copy on whatever the default group is by then).
+    destroyed is refused (None would build the copy on whatever the default group is by then). The
+    attribute is ``fusedist.comm.held_group.HeldProcessGroup``'s, which the ZeroRedundancyOptimizer shares.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from torch import nn
 from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
-from ..comm.released_group import is_alive
+from ..comm.held_group import HeldProcessGroup
 from .arguments import device_attributes
 from .ddp_logger import DDPLogger
 from .logging_data import DEFAULT_SAMPLE_RATE, check_sample_rate, ddp_logging_data
@@ -74,7 +75,7 @@ from .logging_data import DEFAULT_SAMPLE_RATE, check_sample_rate, ddp_logging_da
 __all__ = ["TorchDDPSurface"]
 
 
-class TorchDDPSurface:
+class TorchDDPSurface(HeldProcessGroup):
     """torch DDP's input placement and rank-local state; the wrapper sets ``module``,
     ``device`` and ``dim`` and calls :meth:`_init_surface` before using the rest."""
 
@@ -102,24 +103,6 @@ class TorchDDPSurface:
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
         self.is_multi_device_module = len({p.device for _, p in self.synced_parameters()}) > 1
-
-    # ------------------------------------------------------------ Note [the process group, held weakly]
-    @property
-    def process_group(self):
-        """torch's attribute: the data-parallel group (the default group itself when none was given); None once
-        torch.distributed destroyed it."""
-        try:
-            held = self.__dict__["_process_group_held"]
-        except KeyError:
-            raise AttributeError("process_group") from None  # (before construction set it)
-        group = held()
-        if group is not None and isinstance(held, weakref.ref) and not is_alive(group):
-            return None
-        return group
-
-    @process_group.setter
-    def process_group(self, group) -> None:
-        self.__dict__["_process_group_held"] = _held(group)
 
     # ------------------------------------------------------------ Note [inputs moved to the module's device]
     def _inputs_on_device(self, args, kwargs) -> tuple:
@@ -244,17 +227,6 @@ class TorchDDPSurface:
                 if (key in keys) == ignored:
                     out.append((f"{prefix}.{key}" if prefix else key, t))
         return out
-
-
-def _held(group):
-    """A callable returning ``group``: a weak reference to a process group (Note [the process group, held
-    weakly]); anything else, None included, held as it is."""
-    if group is not None:
-        try:
-            return weakref.ref(group)
-        except TypeError:  # (not a process group: nothing torch destroys)
-            pass
-    return lambda: group
 
 
 TORCH_BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # torch DDP's broadcast_bucket_size

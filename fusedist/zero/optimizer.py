@@ -52,7 +52,7 @@ from .partition import FlatParams, FlatPartition
 from .pieces import PieceSplittingMixin
 from .scaling import ZeroScalerProtocol
 from .sharded_state import ShardedState
-from .held_group import HeldProcessGroup
+from ..comm.held_group import HeldProcessGroup
 from .shards import ShardsMixin
 
 MiB = 1024 * 1024

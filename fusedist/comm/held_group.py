@@ -1,20 +1,21 @@
-"""``ZeroRedundancyOptimizer.process_group``, held weakly.
+"""A ``process_group`` attribute held by a weak reference: the DDP wrapper's and the ZeroRedundancyOptimizer's.
 
-Note [the optimizer's process group, held weakly]
-    torch's ZeroRedundancyOptimizer exposes ``process_group`` and holds it strongly: an optimizer kept past
-    ``destroy_process_group()`` (at module scope, or anywhere past the end of main) kept the destroyed gloo
-    group alive into the interpreter's finalization, where freeing a gloo group can abort the finished
-    process. The communicator lets go of a destroyed group (Note [a released communicator lets go of its
-    group] in fusedist/comm/released_group.py) and the DDP wrapper holds its group weakly (Note [the process
-    group, held weakly] in fusedist/ddp/torch_surface.py); so does the optimizer: the attribute reads torch's
-    group while torch.distributed has it, and None once it was destroyed.
+Note [a process group attribute, held weakly]
+    torch's DistributedDataParallel and ZeroRedundancyOptimizer expose ``process_group`` and hold it
+    strongly: a model or optimizer kept past ``destroy_process_group()`` (at module scope, or anywhere past
+    the end of main) kept the destroyed gloo group alive into the interpreter's finalization, where freeing a
+    gloo group can abort the finished process. The communicator lets go of a destroyed group (Note [a
+    released communicator lets go of its group] in released_group.py); fusedist's wrapper (Note [the process
+    group, held weakly] in fusedist/ddp/torch_surface.py) and optimizer do too, through this one attribute: it
+    reads torch's group while torch.distributed has it, and None once it was destroyed -- freed, or still held
+    by the program but no longer usable.
 """
 
 from __future__ import annotations
 
 import weakref
 
-from ..comm.released_group import is_alive
+from .released_group import is_alive
 
 
 class HeldProcessGroup:
@@ -39,7 +40,7 @@ class HeldProcessGroup:
 
 def _held(group):
     """A callable returning ``group``: a weak reference to a process group; anything else (None: no
-    torch.distributed) held as it is."""
+    torch.distributed, or the default group kept as None) held as it is."""
     if group is not None:
         try:
             return weakref.ref(group)

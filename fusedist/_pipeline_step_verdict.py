@@ -111,16 +111,18 @@ class StepVerdicts:
                 settle_naming_steps(stage, check)
             except Exception as e:  # noqa: BLE001 - told to every rank of the pipeline, then raised here
                 self.found = self.found or (stage, e)
-        found = self.failed or self.found
-        return None if found is None else told_message(*found)
+        return None if self._first is None else told_message(*self._first)
+
+    @property
+    def _first(self):
+        """(stage, error) of this rank's first failure: computing a flag, else reading a verdict; or None."""
+        return self.failed or self.found
 
     def error(self) -> Optional[Exception]:
-        found = self.failed or self.found
-        return None if found is None else found[1]
+        return None if self._first is None else self._first[1]
 
     def own_message(self) -> str:
-        found = self.failed or self.found
-        return "" if found is None else told_message(*found)
+        return "" if self._first is None else told_message(*self._first)
 
 
 def read_now(stage) -> None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib
 import math
 import numbers
 import os
+import sys
+import types
 import weakref
 
 import torch
@@ -26,10 +29,80 @@ import torch.distributed as dist
 # those ten defaults hold the default process group for the rest of the process:
 # destroy_process_group() can no longer free it, and it is left to interpreter shutdown,
 # where freeing a gloo group can abort the process (Note [releasing destroyed groups] in
-# fusedist/comm/__init__.py). Imported here, before fusedist can have created a group, they
-# hold None. (3 ms.)
-if dist.is_available():
-    import torch.distributed.nn  # noqa: F401
+# fusedist/comm/__init__.py); after a new init_process_group() those functions still run on
+# the destroyed group. Imported here, before fusedist can have created a group, they hold
+# None: the default group current at each call. (3 ms.) Two cases remain: fusedist imported
+# after init_process_group -- ``import fusedist`` inside a function torchrun's program calls
+# after its init -- where this import is the one that captured the group: its defaults are
+# set back to None at once, as an import before the init leaves them; and the module
+# imported by the program (or torch) after the init, before fusedist: there the captured
+# group is torch's behaviour while it lives, and is replaced by None when torch destroys or
+# aborts it (wrapping torch's unregister calls, as Note [when torch forgets a group] in
+# fusedist/comm/group_ends.py does), never later used nor held.
+_NN_DEFAULTS_KEY = "torch.distributed.nn defaults: forget a destroyed group"
+
+
+def _bind_nn_defaults() -> None:
+    """Import torch.distributed.nn, leaving its ``group`` defaults as an import before init_process_group
+    would (Note [binding torch.distributed.nn early])."""
+    if not dist.is_available():
+        return
+    first_import = "torch.distributed.nn.functional" not in sys.modules
+    importlib.import_module("torch.distributed.nn")
+
+    if first_import:
+        _forget_captured_groups(lambda group: True)
+    elif _forget_captured_groups(_destroyed):  # (one destroyed before this import: dropped now)
+        from ._process_hooks import chain_module_function
+        from torch.distributed import distributed_c10d
+
+        for name in ("_unregister_process_group", "_unregister_all_process_groups"):
+            chain_module_function(f"{_NN_DEFAULTS_KEY}: {name}", distributed_c10d, name, _forgetting_after)
+
+
+def _forget_captured_groups(forget) -> int:
+    """Set each process group held as a default argument of torch.distributed.nn.functional's functions to None
+    where ``forget(group)``; returns how many such defaults still hold a group."""
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    held = 0
+    for fn in list(vars(functional).values()) if functional is not None else ():
+        if not isinstance(fn, types.FunctionType) or fn.__module__ != functional.__name__:
+            continue
+        if fn.__defaults__:
+            fn.__defaults__ = tuple(None if isinstance(value, dist.ProcessGroup) and forget(value) else value
+                                    for value in fn.__defaults__)
+            held += sum(isinstance(value, dist.ProcessGroup) for value in fn.__defaults__)
+        if fn.__kwdefaults__:
+            fn.__kwdefaults__ = {name: None if isinstance(value, dist.ProcessGroup) and forget(value) else value
+                                 for name, value in fn.__kwdefaults__.items()}
+            held += sum(isinstance(value, dist.ProcessGroup) for value in fn.__kwdefaults__.values())
+    return held
+
+
+def _destroyed(group) -> bool:
+    """Whether torch no longer has ``group`` (destroyed or aborted); False where its tables cannot say."""
+    from torch.distributed import distributed_c10d
+
+    pg_map = getattr(getattr(distributed_c10d, "_world", None), "pg_map", None)
+    return pg_map is not None and group not in pg_map
+
+
+def _forgetting_after(unregister):
+    """torch's ``unregister``, then the destroyed groups dropped from torch.distributed.nn's defaults."""
+    def forgetting(*args, **kwargs):
+        try:
+            return unregister(*args, **kwargs)
+        finally:
+            try:
+                _forget_captured_groups(_destroyed)
+            except Exception:  # noqa: BLE001 - never fails torch's destroy: what it drops is a reference
+                pass
+    forgetting.__name__ = getattr(unregister, "__name__", forgetting.__name__)
+    forgetting.__wrapped__ = unregister
+    return forgetting
+
+
+_bind_nn_defaults()
 
 #: Default timeout of every collective fusedist waits on. Finite on purpose: a rank that dies or
 #: diverges must turn into an error on the others, not a hang. Override with

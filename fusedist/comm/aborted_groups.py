@@ -41,6 +41,7 @@ import threading
 import weakref
 
 from .._process_hooks import chain_module_function
+from .store_reads import read_now
 
 _ABORTED = "aborted its process groups (torch.distributed's _abort_process_group), which closed the group's connections"
 
@@ -172,9 +173,9 @@ def aborted_peers(store, ranks: list) -> dict:
             return {}
         found = {}
         for rank in ranks:
-            key = f"{_RECORDS}/{rank}"
-            if store.check([key]):
-                found[rank] = store.get(key).decode()
+            record = read_now(store, f"{_RECORDS}/{rank}")  # Note [reading a key without waiting] in store_reads.py
+            if record is not None:
+                found[rank] = record.decode()
         return found
     except Exception:  # noqa: BLE001 - a wait goes on as before where the store cannot say
         return {}

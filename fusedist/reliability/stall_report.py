@@ -25,6 +25,7 @@ import time
 from typing import Optional
 
 from ..comm.base import global_note
+from ..comm.store_reads import read_now
 
 #: Keys live under this prefix in the process group's store.
 KEY_PREFIX = "fusedist/stall"
@@ -160,11 +161,8 @@ def crashed_peer(store, group: str, generation: int, rank: int, world_size: int)
         if int(store.add(_crash_count_key(group, generation), 0)) == 0:
             return None
         for other in range(world_size):
-            key = _key(group, generation, other)
-            if other == rank or not store.check([key]):
-                continue
-            entry = json.loads(store.get(key).decode())
-            if entry.get("kind") == "crash":
+            entry = _read(store, _key(group, generation, other)) if other != rank else None
+            if entry is not None and entry.get("kind") == "crash":
                 return (f"rank {other} on {entry.get('host')} pid {entry.get('pid')} crashed with "
                         f"{entry.get('error')}")
     except Exception:  # noqa: BLE001 - a report must never fail because the store is odd
@@ -197,11 +195,17 @@ def read_entries(store, group: str, generation: int, ranks: list) -> Optional[di
     found = {}
     try:
         for rank in ranks:
-            key = _key(group, generation, rank)
-            found[rank] = json.loads(store.get(key).decode()) if store.check([key]) else None
+            found[rank] = _read(store, _key(group, generation, rank))
     except Exception:  # noqa: BLE001 - a probe or report never fails because the store is odd
         return None
     return found
+
+
+def _read(store, key: str) -> Optional[dict]:
+    """The entry under ``key``, or None; never waits for it: a peer may withdraw it between a check and a get
+    (Note [reading a key without waiting] in comm/store_reads.py)."""
+    value = read_now(store, key)
+    return json.loads(value.decode()) if value is not None else None
 
 
 def collect(store, group: str, generation: int, ranks: list[int], window_s: float) -> dict[int, dict]:
@@ -213,10 +217,10 @@ def collect(store, group: str, generation: int, ranks: list[int], window_s: floa
             for rank in ranks:
                 if rank in found:
                     continue
-                key = _key(group, generation, rank)
                 try:
-                    if store.check([key]):
-                        found[rank] = json.loads(store.get(key).decode())
+                    entry = _read(store, _key(group, generation, rank))
+                    if entry is not None:
+                        found[rank] = entry
                 except Exception:  # noqa: BLE001 - an unreachable store ends the wait
                     return found
             if len(found) == len(ranks) or time.monotonic() >= deadline:

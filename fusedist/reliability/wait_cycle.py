@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from ..comm.store_reads import read_now
 from . import stall_report
 
 
@@ -102,10 +103,8 @@ def drop_kept() -> None:
 
 
 def _read(store, global_rank: int) -> Optional[dict]:
-    key = _key(global_rank)
-    if not store.check([key]):
-        return None
-    return json.loads(store.get(key).decode())
+    record = read_now(store, _key(global_rank))  # (never waits: Note [reading a key without waiting])
+    return json.loads(record.decode()) if record is not None else None
 
 
 def _waits_for(blocked: dict, peer: Optional[dict]) -> bool:

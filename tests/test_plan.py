@@ -569,7 +569,8 @@ def test_a_model_parallel_suggestion_says_how_to_build_it(capsys):
                            "--gpus", "64", "--recompute", "selective")
     assert code == 0 and "dp=32 x tp=2 x pp=1 with zero3" in out, out
     assert 'how: mesh = init_device_mesh("cuda", (32, 2), mesh_dim_names=("dp", "tp"))' in out, out
-    assert 'parallelize_module(block, mesh["tp"], plan)' in out and 'fully_shard(block, mesh=mesh["dp"])' in out
+    # the default figure is Megatron-LM's: its layers, not torch's parallelize_module (--tp-style torchtitan)
+    assert "Megatron-LM's layers within a node" in out and 'fully_shard(block, mesh=mesh["dp"])' in out, out
     assert "PipelineStage" not in out  # pp=1
     lines = "\n".join(report.recipe({"dp": 4, "tp": 2, "pp": 2, "ep": 1, "strategy": "zero2", "total_bytes": 0}))
     assert 'init_device_mesh("cuda", (2, 4, 2), mesh_dim_names=("pp", "dp", "tp"))' in lines, lines

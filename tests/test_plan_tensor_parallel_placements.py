@@ -484,25 +484,44 @@ def test_torchtitan_s_column_parallel_layers_keep_their_gathered_inputs(tp_mesh,
             == activation_bytes(spec, b, s, precision, "none"))
 
 
-def test_the_tp_style_option_says_what_it_counts_and_refuses_what_it_does_not(capsys):
-    """--tp-style torchtitan shows in the plan's assumptions and recipe; a mixture of experts or latent
-    attention, whose torchtitan plans gather more than the Note counts, is refused naming the option."""
+def test_the_tp_style_option_says_what_it_counts_and_the_recipe_follows_it(capsys, tmp_path):
+    """--tp-style shows in the plan's assumptions and recipe: Megatron-LM's layers for the default figure
+    (the recipe named torch's parallelize_module for Megatron's figure), torch's parallelize_module with
+    torchtitan's plans for --tp-style torchtitan, with latent attention's and a mixture's placements
+    (Note [what a column-parallel layer keeps] in fusedist/plan/tp_style.py)."""
     import dataclasses
+    import json
 
     from fusedist.plan import Job, build_plan, cli
-    from fusedist.plan.errors import PlanError
     from fusedist.plan.hardware import PRESETS
 
     shape = ["--arch", "llama", "--layers", "80", "--hidden", "8192", "--heads", "64", "--kv-heads", "8",
              "--ffn-hidden", "28672", "--vocab", "32000", "--seq", "3072", "--gpus", "64", "--recompute", "selective"]
-    for flags, said in (([], "counted as Megatron-LM keeps them"),
-                        (["--tp-style", "torchtitan"], "counted as torch's ColwiseParallel keeps them")):
+    for flags, said, recipe, not_said in (
+            ([], "counted as Megatron-LM keeps them", "Megatron-LM's layers within a node", "parallelize_module("),
+            (["--tp-style", "torchtitan"], "counted as torch's ColwiseParallel keeps them",
+             "parallelize_module(block, mesh[\"tp\"], plan)", "Megatron-LM's layers")):
         assert cli.main(shape + flags) == 0
         out = capsys.readouterr().out
-        assert " x tp=" in out and said in out, out
+        assert " x tp=" in out and said in out and recipe in out and not_said not in out, out
+    # a DeepSeek-V3-shaped model (latent attention, routed and shared experts) under torchtitan's plans
+    deepseek = {"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+                "moe_intermediate_size": 2048, "num_attention_heads": 128, "num_hidden_layers": 61,
+                "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+                "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                "v_head_dim": 128, "max_position_embeddings": 4096, "vocab_size": 129280}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(deepseek))
+    args = ["--hf-config", str(config), "--seq", "16384", "--gpus", "512", "--gpus-per-node", "8", "--ep", "8",
+            "--recompute", "full", "--tp-style", "torchtitan"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert " x tp=8 " in out and "NoParallel router on the gathered tokens" in out, out
+    assert "NoParallel latent attention's down-projections" in out and "ExpertTensorParallel" in out, out
+    assert "latent attention's down-projections and norms run replicated" in out, out
     job = Job(gpus=8, micro_batch=1, seq=8, tp_style="torchtitan")
-    for name, what in (("latent_attention_and_experts", "a mixture of experts"),
-                       ("latent_attention_full_q", "latent attention")):
-        with pytest.raises(PlanError, match=f"--tp-style: .*not {what} .*use --tp-style megatron"):
-            build_plan(ModelSpec(**_SPECS[name]), job, PRESETS["h100"])
-        build_plan(ModelSpec(**_SPECS[name]), dataclasses.replace(job, tp_style="megatron"), PRESETS["h100"])
+    for name in ("latent_attention_and_experts", "latent_attention_full_q"):  # counted now, no refusal
+        spec = ModelSpec(**_SPECS[name])
+        if spec.shared_gate:
+            spec = dataclasses.replace(spec, shared_gate=False)
+        build_plan(spec, job, PRESETS["h100"])

@@ -152,7 +152,9 @@ def parser() -> argparse.ArgumentParser:
                    help="whose tensor parallelism a suggested tp layout's activations follow: megatron (default; a "
                         "column-parallel layer saves its input's sequence shard) or torchtitan (torch's "
                         "ColwiseParallel saves the gathered input: q/k/v's, the MLP's and the output layer's whole "
-                        "on each tp rank; dense blocks only)")
+                        "on each tp rank, and latent attention's replicated down-projections and norms and a "
+                        "mixture's router on the gathered tokens as torchtitan's DeepSeek-V3/Llama-4 plans run "
+                        "them; a gated shared expert is refused); the printed recipe follows the style")
     h = p.add_argument_group("hardware")
     h.add_argument("--gpu", default="h100", help=f"{', '.join(hardware.CHOICES)} (default h100)")
     h.add_argument("--gpu-memory-gb", type=_real)

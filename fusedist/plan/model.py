@@ -102,7 +102,7 @@ from typing import Optional
 from .errors import PlanError
 from .latent_bytes import latent_projection_bytes
 from .norm_bytes import block_norm_bytes, block_norm_weight_bytes, final_norm_bytes, final_norm_weight_bytes
-from .routed_bytes import routed_pair_bytes
+from .routed_bytes import routed_pair_bytes, router_bytes
 from .tp_style import gathered_block_inputs, gathered_output_input
 
 ARCHS = ("gpt", "llama")  # the shape flags' --arch
@@ -445,12 +445,14 @@ def block_whole_bytes(spec: ModelSpec, i: int, micro_batch: int, seq: int, preci
                       tp_style: str = "megatron") -> int:
     """What block ``i`` keeps for backward that tensor parallelism does not split: Gemma's fp32
     ``1 + weight`` of each norm, a mixture's routed token-expert pairs (Note [routed tokens under
-    tensor parallelism]) and torchtitan's gathered inputs (Note [what a column-parallel layer keeps]
-    in tp_style.py); none stored under full recomputation, which keeps the block's input."""
+    tensor parallelism]) and what torchtitan's plans keep whole: the gathered inputs, latent attention's
+    replicated down-projections and norms, the router on the gathered tokens (Note [what a column-parallel
+    layer keeps] in tp_style.py); none stored under full recomputation, which keeps the block's input."""
     if recompute == "full":
         return 0
     pairs = routed_pair_bytes(spec, micro_batch * seq, precision) if spec.is_moe_block(i) else 0
-    return block_norm_weight_bytes(spec) + pairs + gathered_block_inputs(spec, micro_batch, seq, precision, tp_style)
+    return block_norm_weight_bytes(spec) + pairs + gathered_block_inputs(spec, i, micro_batch, seq, precision,
+                                                                                    tp_style)
 
 
 def output_whole_bytes(spec: ModelSpec, micro_batch: int, seq: int, precision: str, loss_parallel: bool,
@@ -549,4 +551,4 @@ def _moe_mlp_tensors(spec: ModelSpec) -> tuple:
     # and its weight; the shared expert's four, and under a gate its output and the gate's sigmoid
     mlp = h + k * (2 * h + 4 * spec.expert_ffn + 1) + 4 * spec.shared_ffn
     mlp += (h + 1) * (spec.shared_gate and bool(spec.shared_ffn))
-    return mlp, 4 * spec.experts + 24 * k + 4 * k + 4
+    return mlp, router_bytes(spec) + 16 * k  # and the pairs' two int64 sort indices

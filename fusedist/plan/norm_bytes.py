@@ -68,11 +68,16 @@ def block_norm_bytes(spec, word: int) -> int:
     if spec.qk_norm:
         n += (rms_norm_bytes(spec.head_size, spec.heads, word, gemma)
               + rms_norm_bytes(spec.head_size, spec.kv, word, gemma))
-    if spec.kv_lora_rank is not None:  # Note [latent attention] in model.py
-        n += rms_norm_bytes(spec.kv_lora_rank, 1, word)
-        if spec.q_lora_rank:
-            n += rms_norm_bytes(spec.q_lora_rank, 1, word)
-    return n
+    return n + latent_norm_bytes(spec, word)
+
+
+def latent_norm_bytes(spec, word: int) -> int:
+    """Bytes latent attention's norms of its compressed keys/values and queries keep per token
+    (Note [latent attention] in model.py); 0 without latent attention."""
+    if spec.kv_lora_rank is None:
+        return 0
+    return rms_norm_bytes(spec.kv_lora_rank, 1, word) + (rms_norm_bytes(spec.q_lora_rank, 1, word)
+                                                          if spec.q_lora_rank else 0)
 
 
 def final_norm_bytes(spec, word: int) -> int:

@@ -369,7 +369,12 @@ def build_plan(spec: ModelSpec, job: Job, hw: Hardware) -> dict:
                                if job.tp_style == "megatron" else
                                "; torchtitan's tensor parallelism (--tp-style torchtitan: torch's ColwiseParallel "
                                "after a Shard(1) to Replicate redistribution): each tensor-parallel rank keeps the "
-                               "attention's, the MLP's and the output layer's gathered inputs whole")),
+                               "attention's, the MLP's and the output layer's gathered inputs whole"
+                               + ("; latent attention's down-projections and norms run replicated on the whole "
+                                  "sequence (NoParallel), their tensors and the up-projections' inputs whole"
+                                  if spec.kv_lora_rank is not None else "")
+                               + ("; the router runs replicated on the gathered tokens, its probabilities, top-k "
+                                  "indices and weights whole" if spec.moe else ""))),
         },
     }
     if job.recompute == "full" and spec.has_shape:  # Note [the recomputed layer] in model.py

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from .memory import STRATEGIES
 from .suggest import grad_accum
 
@@ -96,10 +98,11 @@ _DATA_PARALLEL = {
 }
 
 
-def recipe(layout: dict, loss_parallel: bool = True, tp_style: str = "megatron") -> list:
+def recipe(layout: dict, loss_parallel: bool = True, tp_style: str = "megatron", model: Optional[dict] = None) -> list:
     """How to build a model-parallel ``layout`` with fusedist and torch: the mesh, tensor
-    parallelism (and the loss and style the activations were counted with), the data-parallel strategy,
-    pipeline stages and their checkpoints."""
+    parallelism as the style the activations were counted for (Megatron-LM's layers, or torch's
+    ``parallelize_module`` with torchtitan's plans for the ``model``'s blocks), the loss, the
+    data-parallel strategy, pipeline stages and their checkpoints."""
     dims = [(name, layout[name]) for name in ("pp", "dp", "tp") if layout[name] > 1 or name == "dp"]
     def tuple_of(items) -> str:
         return f"({', '.join(items)}{',' if len(items) == 1 else ''})"
@@ -108,19 +111,7 @@ def recipe(layout: dict, loss_parallel: bool = True, tp_style: str = "megatron")
             f'mesh_dim_names={tuple_of([chr(34) + d + chr(34) for d, _ in dims])})')
     out = [f"  how: {mesh}"]
     if layout["tp"] > 1:
-        out.append("  tensor parallelism: torch's parallelize_module(block, mesh[\"tp\"], plan) within a node, "
-                   "before the data-parallel wrapping (a 2-D mesh); the plan counted: ColwiseParallel q/k/v, MLP up "
-                   "and output layer, RowwiseParallel attention output, MLP down and embedding, SequenceParallel "
-                   "norms, routers and latent attention's down-projections left whole (torchtitan's plans)")
-        out.append("  loss: " + ("vocabulary-parallel, the logits split by tp (torchtitan's loss_parallel(), the "
-                                 "output layer ColwiseParallel(use_local_output=False))" if loss_parallel else
-                                 "on whole logits (--no-loss-parallel): the output layer ColwiseParallel("
-                                 "output_layouts=Replicate()), whole fp32 logits on each tp rank"))
-        out.append("  activations: " + ("counted as Megatron-LM keeps them (a column-parallel layer saves its "
-                                        "input's sequence shard); torch's ColwiseParallel saves the gathered input, "
-                                        "more a rank: --tp-style torchtitan counts it" if tp_style == "megatron" else
-                                        "counted as torch's ColwiseParallel keeps them (--tp-style torchtitan: "
-                                        "q/k/v's, the MLP's and the output layer's gathered inputs whole)"))
+        out += _tensor_parallel_lines(loss_parallel, tp_style, model or {})
     out.append(f"  data parallelism ({layout['strategy']}): {_DATA_PARALLEL[layout['strategy']]}")
     if layout["pp"] > 1:
         group = 'mesh["dp", "tp"]' if layout["tp"] > 1 else 'mesh["dp"]'
@@ -130,6 +121,47 @@ def recipe(layout: dict, loss_parallel: bool = True, tp_style: str = "megatron")
         out.append(f"  checkpoints: fusedist.checkpoint.Checkpointer(root, process_group={group}, pipeline=True) "
                    "(one root, restorable at another pipeline split)")
     return out
+
+
+def _tensor_parallel_lines(loss_parallel: bool, tp_style: str, model: dict) -> list:
+    """The recipe's tensor parallelism, its loss and its activations, in the style they were counted for
+    (Note [what a column-parallel layer keeps] in tp_style.py)."""
+    latent, moe = model.get("kv_lora_rank") is not None, model.get("experts") is not None
+    if tp_style == "megatron":
+        return ["  tensor parallelism: Megatron-LM's layers within a node over mesh[\"tp\"] with "
+                "sequence_parallel=True: ColumnParallelLinear q/k/v" + (" (latent attention's up-projections)"
+                                                                         if latent else "")
+                + ", MLP up and output layer, RowParallelLinear attention output and MLP down, "
+                "VocabParallelEmbedding, norms on the sequence shard"
+                + ("; the routers on the sequence shard, the experts split by their MLP width (expert tensor "
+                   "parallelism)" if moe else ""),
+                "  loss: " + ("vocabulary-parallel, the logits split by tp (Megatron's vocab_parallel_cross_entropy)"
+                              if loss_parallel else
+                              "on whole logits (--no-loss-parallel): the output layer gathers them, whole fp32 logits "
+                              "on each tp rank"),
+                "  activations: counted as Megatron-LM keeps them (a column-parallel layer saves its input's "
+                "sequence shard); torch's parallelize_module (torchtitan's plans) keeps more a rank: "
+                "--tp-style torchtitan counts it"]
+    ups = f"latent attention's up-projections ({'wq_b' if model.get('q_lora_rank') else 'wq'}, wkv_b)"
+    plan = ("ColwiseParallel " + (ups if latent else "q/k/v")
+            + ", MLP up and output layer, RowwiseParallel attention output, MLP down and embedding, SequenceParallel "
+            "norms" + (", NoParallel latent attention's down-projections and their norms on the gathered input"
+                       if latent else ""))
+    if moe:
+        plan += ("; each MoE module's input all-gathered and its output reduce-scattered (PrepareModuleInputOutput), "
+                 "NoParallel router on the gathered tokens, the routed experts split by their MLP width "
+                 "(torchtitan's TensorParallel; ExpertTensorParallel over the ep x tp ranks with --ep), the shared "
+                 "expert Colwise/RowwiseParallel")
+    return ["  tensor parallelism: torch's parallelize_module(block, mesh[\"tp\"], plan) within a node, before the "
+            "data-parallel wrapping (a 2-D mesh); the plan counted (torchtitan's): " + plan,
+            "  loss: " + ("vocabulary-parallel, the logits split by tp (torchtitan's loss_parallel(), the output layer "
+                          "ColwiseParallel(use_local_output=False))" if loss_parallel else
+                          "on whole logits (--no-loss-parallel): the output layer ColwiseParallel("
+                          "output_layouts=Replicate()), whole fp32 logits on each tp rank"),
+            "  activations: counted as torch's ColwiseParallel keeps them (--tp-style torchtitan: q/k/v's, the MLP's "
+            "and the output layer's gathered inputs whole"
+            + (", latent attention's down-projections' and norms' tensors whole" if latent else "")
+            + (", the router's tensors for every gathered token" if moe else "") + ")"]
 
 
 def _pipeline_lines(pipe) -> list:
@@ -212,7 +244,7 @@ def format_plan(plan: dict) -> str:
         out.append(f"suggestion: no data-parallel strategy fits; dp={lay['dp']} x tp={lay['tp']} x pp={lay['pp']} "
                    + (f"(ep={lay['ep']}) " if lay.get("ep", 1) > 1 else "")
                    + f"with {lay['strategy']} does ({_gb(lay['total_bytes'])} GB per GPU; tp within a node)")
-        out += recipe(lay, i.get("loss_parallel", True), i.get("tp_style", "megatron"))
+        out += recipe(lay, i.get("loss_parallel", True), i.get("tp_style", "megatron"), i["model"])
         out += _pipeline_lines(lay.get("pipeline"))
     elif lay and lay.get("ep", 1) != i.get("ep", 1):
         out.append(f"suggestion: no data-parallel strategy fits at ep={i.get('ep', 1)}; {lay['strategy']} with the "

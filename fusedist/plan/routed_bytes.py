@@ -27,3 +27,10 @@ def routed_pair_bytes(spec, tokens: int, precision: str) -> int:
     copy, the expert's output and its weight in the activations' dtype, and the two int64 sort indices."""
     word = 4 if precision == "fp32" else 2
     return tokens * spec.experts_per_token * (word * (2 * spec.hidden + 1) + 16)
+
+
+def router_bytes(spec) -> int:
+    """Bytes the router keeps per token for backward (fusedist/plan/torch_model.py's Note [routed
+    tokens]): its fp32 probabilities, the int64 top-k indices, the fp32 top-k weights and their sum."""
+    k = spec.experts_per_token
+    return 4 * spec.experts + 8 * k + 4 * k + 4

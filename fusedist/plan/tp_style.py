@@ -17,14 +17,39 @@ Note [what a column-parallel layer keeps]
     for the output layer's. Full recomputation stores each block's input, a shard under both, and the
     block it recomputes keeps its gathered inputs again.
 
-    Counted for dense attention and MLP blocks. torchtitan's mixture-of-experts and latent-attention
-    plans gather more than these inputs (the router runs on the gathered tokens; latent attention's
-    down-projections and norms are replicated), which is not counted: ``torchtitan`` refuses such models.
+    torchtitan's DeepSeek-V3 and Llama-4 plans (``apply_non_moe_tp`` and ``apply_moe_ep_tp`` in
+    torchtitan/models/{deepseek_v3,llama4}/infra/parallelize.py) keep more whole, per token:
+
+    * latent attention: the attention's input is redistributed to ``Replicate`` once, before the
+      module; the down-projections (``wq_a``, ``wkv_a``) and the norms of the compressed queries and
+      keys/values (``q_norm``, ``kv_norm``) are ``NoParallel``, run by every rank on the whole
+      sequence, and the up-projections (``wq_b``, ``wkv_b``) are ``ColwiseParallel`` on those
+      whole rows. So the down-projections' input (``h``, as q/k/v's above), both norms' tensors,
+      the up-projections' inputs and, in fp32, ``wkv_a``'s output (Note [what latent attention
+      keeps] in latent_bytes.py) stay whole; Q, K, V and ``wo``'s input are split by heads.
+    * a mixture of experts: the MoE module's input is all-gathered (``PrepareModuleInputOutput``,
+      ``Shard(1)`` to ``Replicate``) and the router is ``NoParallel``: its input (``h``), fp32
+      probabilities, top-k indices and weights are whole, where Megatron-Core routes the rank's
+      ``1/t`` shard. The routed experts are split by their MLP width (``TensorParallel``, or
+      ``ExpertTensorParallel`` over the ep x tp ranks when the experts are also split ``ep`` ways
+      within the data-parallel ranks, as the planner's ``--ep`` does) on every gathered token: the
+      token-expert pairs are whole as under Megatron-Core (Note [routed tokens under tensor
+      parallelism] in routed_bytes.py). The shared expert is ``ColwiseParallel``/``RowwiseParallel``
+      on the gathered input; the summed outputs are reduce-scattered back to ``Shard(1)``.
+
+    Not counted, and refused under ``torchtitan``: a gated shared expert (Qwen2-MoE's sigmoid gate,
+    which no torchtitan plan places: on gathered tokens its output and the shared expert's partial
+    sums would be whole too). torchtitan's other expert-parallel layout, ``ep`` borrowing the
+    tensor-parallel ranks (``ReordererSequenceParallel``: the routed pairs split across them), is not
+    one the planner's layouts give (its ``ep`` lies within the data-parallel ranks).
 """
 
 from __future__ import annotations
 
 from .errors import PlanError
+from .latent_bytes import latent_projection_bytes
+from .norm_bytes import latent_norm_bytes
+from .routed_bytes import router_bytes
 
 TP_STYLES = ("megatron", "torchtitan")
 
@@ -33,20 +58,25 @@ def check_tp_style(spec, tp_style: str) -> None:
     """Raise :class:`PlanError` for a style the planner does not count for ``spec``."""
     if tp_style not in TP_STYLES:
         raise PlanError("--tp-style", f"unknown tensor-parallel style {tp_style!r} (choose {', '.join(TP_STYLES)})")
-    if tp_style == "torchtitan" and spec.has_shape and (spec.moe or spec.kv_lora_rank is not None):
-        what = "a mixture of experts" if spec.moe else "latent attention"
-        raise PlanError("--tp-style", f"torchtitan's activations are counted for dense attention and MLP "
-                                      f"blocks, not {what} (Note [what a column-parallel layer keeps]); "
-                                      "use --tp-style megatron")
+    if tp_style == "torchtitan" and spec.has_shape and spec.moe and spec.shared_gate and spec.shared_ffn:
+        raise PlanError("--tp-style", "torchtitan's activations are not counted for a gated shared expert "
+                                      "(Qwen2-MoE's shared_expert_gate: no torchtitan plan places it; Note [what a "
+                                      "column-parallel layer keeps]); use --tp-style megatron")
 
 
-def gathered_block_inputs(spec, micro_batch: int, seq: int, precision: str, tp_style: str) -> int:
-    """Bytes of a block's column-parallel inputs (the attention's, the MLP's) every tensor-parallel rank
-    keeps whole: none under Megatron's convention, the gathered sequence under torchtitan's."""
+def gathered_block_inputs(spec, i: int, micro_batch: int, seq: int, precision: str, tp_style: str) -> int:
+    """Bytes of block ``i``'s tensors every tensor-parallel rank keeps whole under torchtitan's plans
+    beyond Megatron's convention (Note [what a column-parallel layer keeps]): the attention's and the
+    MLP's gathered inputs, latent attention's replicated down-projections and norms, a mixture's
+    router on the gathered tokens; none under Megatron's."""
     if tp_style == "megatron":
         return 0
     check_tp_style(spec, tp_style)
-    return 2 * _word(precision) * seq * micro_batch * spec.hidden
+    word = _word(precision)
+    per_token = 2 * word * spec.hidden + latent_norm_bytes(spec, word) + latent_projection_bytes(spec, word)
+    if spec.is_moe_block(i):
+        per_token += router_bytes(spec)
+    return seq * micro_batch * per_token
 
 
 def gathered_output_input(spec, micro_batch: int, seq: int, precision: str, tp_style: str) -> int:

@@ -4,7 +4,9 @@ a copy trains as a wrapper of its own with the original's options, a copy made o
 issues no collective; a pickled model (``torch.save(model)``) loads into a model that trains as
 torch DDP's loaded one, over the default group only, as torch's (Note [a pickled wrapper] in
 fusedist/ddp/copies.py); copies keep the wrapper's own hooks, its buffer communication hook and
-a subclass's attributes, without running the subclass's ``__init__`` (Note [what a copy keeps]).
+a subclass's attributes, without running the subclass's ``__init__`` (Note [what a copy keeps]). A copy of
+the inner module under overlapped ZeRO gathers holds the final parameters; a buffer hook's futures are waited
+for at the end of the backward; a forward after the group's destroy is refused at the forward.
 Compared with torch DDP on 2 gloo ranks.
 """
 
@@ -71,7 +73,149 @@ def _worker(rank, world):
     out["hooks"] = _or_error(_hooks_kept_as_torchs, rank)
     out["subclass"] = _or_error(_subclasses_copied_as_torchs, rank)
     out["compiled in place"] = _or_error(_copy_of_a_model_compiled_in_place)
+    out["destroyed group"] = _or_error(_forwards_after_the_group_was_destroyed)
+    out["inner copies"] = _or_error(_inner_module_copied_under_overlapped_gathers, rank)
+    out["buffer futures"] = _or_error(_buffer_hook_futures_waited_where_torch_waits, rank)
     return out
+
+
+def _late_averaging_hook(events, named_buffers):
+    """Averages the floating-point buffers asynchronously, and returns one more future, completed by a thread
+    once the backward began (``events["begun"]``; after 3 s without it), ``events["delay"]`` s later."""
+    import threading
+    import time
+
+    futures = [torch.distributed.all_reduce(b.div_(2), async_op=True).get_future()
+               for b in named_buffers.values() if b.is_floating_point()]
+    late = torch.futures.Future()
+
+    def complete():
+        began = events["begun"].wait(3.0)
+        time.sleep(events.get("delay", 0.0))
+        events["log"].append("future completed" if began else "future completed before any backward")
+        late.set_result(None)
+
+    threading.Thread(target=complete, daemon=True).start()
+    return futures + [late]
+
+
+def _buffer_hook_futures_waited_where_torch_waits(rank):
+    """A POST_FORWARD buffer hook returning futures, one completed late by a thread: the order of the forward's
+    return, the future's completion and the backward's return, and the buffers after two steps, as torch's."""
+    import threading
+
+    import fusedist
+
+    found = {}
+    for who, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        model = cls(_net())
+        events = {"log": [], "begun": threading.Event()}
+        model._register_buffer_comm_hook(events, _late_averaging_hook)
+        for x, y in _batches(rank, 2):
+            events["begun"].clear()
+            out = model(x)
+            events["log"].append("forward returned")
+            out.register_hook(lambda grad: events["begun"].set())
+            nn.functional.mse_loss(out, y).backward()
+            events["log"].append("backward returned")
+        found[who] = dict(log=list(events["log"]), buffers=[b.clone() for b in model.module.buffers()])
+    events["log"].clear()
+    events["begun"].set()  # (the backward never comes: the thread completes the future 0.3 s after the hook)
+    events["delay"] = 0.3
+    x, _ = _batches(rank, 1)[0]
+    model(x)
+    model.require_forward_param_sync = False  # (the next forward runs no hook of its own)
+    with torch.no_grad():
+        model(x)
+    events["log"].append("next forward returned")
+    found["no backward"] = list(events["log"])
+    return found
+
+
+class _RootHeld(nn.Module):
+    """A model whose root holds a parameter of its own (copied first, before any submodule)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = nn.Parameter(torch.randn(6, 6))
+        self.body = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.body(x @ self.scale)
+
+
+class _LandingLate:
+    """Stands for the step's parameter all-gathers, still in flight: the parameters hold NaN until a wait
+    writes their final values, deterministically late."""
+
+    def __init__(self, params):
+        self.params = params
+        self.final = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.fill_(float("nan"))
+
+    def wait(self):
+        with torch.no_grad():
+            for p, final in zip(self.params, self.final):
+                p.copy_(final)
+
+
+def _inner_module_copied_under_overlapped_gathers(rank):
+    """copy.deepcopy of the inner module (and of a submodule alone) right after an overlapped ZeRO step, against
+    torch DDP + torch's ZeroRedundancyOptimizer (whose step gathers before it returns)."""
+    import fusedist
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    found = {}
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    theirs = nn.parallel.DistributedDataParallel(_RootHeld())
+    theirs_opt = TorchZero(theirs.parameters(), torch.optim.SGD, lr=0.1)
+    theirs(x).sum().backward()
+    theirs_opt.step()
+    for stage in (1, 2):
+        model = fusedist.DistributedDataParallel(_RootHeld(), bucket_cap_mb=0.0001)
+        opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.1,
+                                               overlap_param_gather=True)
+        model(x).sum().backward()
+        attributes = sorted(vars(model.module))
+        opt.step()
+        for what, copied in (("inner", lambda: model.module), ("submodule", lambda: model.module.body)):
+            gatherer = opt._gatherer
+            gatherer.wait_all()
+            late = _LandingLate(list(model.module.parameters()))
+            gatherer.handles = {index: late for index in range(len(model.buckets))}
+            copy_ = copy.deepcopy(copied())
+            ref = dict((theirs.module if what == "inner" else theirs.module.body).named_parameters())
+            found[stage, what] = max((p - ref[n]).abs().max().item() for n, p in copy_.named_parameters())
+        found[stage, "attributes"] = sorted(vars(model.module)) == attributes  # (their order only changed)
+    return found
+
+
+def _forwards_after_the_group_was_destroyed():
+    """A training forward (with buffers to broadcast, and without) after one step and the group's destroy:
+    torch's DDP goes on with the group it holds; fusedist's forward raises (or the evaluation forward of a model
+    with nothing to broadcast runs, and gives the module's output)."""
+    import fusedist
+
+    found = {}
+    for who, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        for buffers in (True, False):
+            group = torch.distributed.new_group([0, 1])
+            model = cls(_net() if buffers else nn.Linear(6, 3), process_group=group)
+            x = torch.randn(8, 6)
+            model(x).sum().backward()
+            torch.distributed.destroy_process_group(group)
+            if not buffers:
+                with torch.no_grad():
+                    found[who, "evaluated"] = torch.equal(model(x), model.module(x))
+            try:
+                model(x).sum()
+                found[who, buffers] = "trained"
+            except RuntimeError as exc:
+                found[who, buffers] = str(exc)
+    return found
 
 
 def _copy_of_a_model_compiled_in_place():
@@ -383,6 +527,50 @@ def test_a_subclass_with_its_own_init_copies_and_pickles_as_torch_ddps(copies_la
 def test_a_copy_of_a_model_compiled_in_place_runs_its_own_weights(copies_launched):
     for out in copies_launched:
         assert out["compiled in place"] == 0.0, out["compiled in place"]
+
+
+def test_a_forward_after_the_group_was_destroyed_is_refused_naming_the_group_and_the_way_on(copies_launched):
+    """torch's DDP keeps using the group it holds; fusedist's communicator refuses a destroyed group, and the
+    refusal comes at the forward, from the wrapper (without buffers it came at the backward's first bucket,
+    naming a bucket of a communicator), on every rank; a forward that communicates nothing runs."""
+    for rank, out in enumerate(copies_launched):
+        found = out["destroyed group"]
+        assert not isinstance(found, str), found
+        assert found["torch", True] == found["torch", False] == "trained", found
+        assert found["torch", "evaluated"] is found["fusedist", "evaluated"] is True, found
+        for buffers in (True, False):
+            message = found["fusedist", buffers]
+            assert message.startswith(f"fusedist.DistributedDataParallel (rank {rank} of 2): forward refused"), message
+            assert "process group was destroyed" in message and "model.module" in message, message
+
+
+def test_a_copy_of_the_inner_module_under_overlapped_gathers_holds_the_final_parameters(copies_launched):
+    """copy.deepcopy(model.module) right after a ZeroRedundancyOptimizer(overlap_param_gather=True) step copied
+    the root's parameters before any wait (here NaN, the gathers landing late): now the waits come first, as
+    under torch's ZeroRedundancyOptimizer, for the inner module and for a submodule copied alone."""
+    for rank, out in enumerate(copies_launched):
+        found = out["inner copies"]
+        assert not isinstance(found, str), found
+        for stage in (1, 2):
+            assert found[stage, "inner"] <= 1e-6 and found[stage, "submodule"] <= 1e-6, (rank, found)
+            assert found[stage, "attributes"] is True, (rank, found)
+
+
+def test_a_buffer_hooks_futures_are_waited_for_at_the_end_of_the_backward_as_torch_waits(copies_launched):
+    """torch's DDP waits for a POST_FORWARD buffer hook's futures at the end of the backward (their collectives
+    overlap it); fusedist waited as the hook returned, so a future completed only once the backward began held
+    the forward until the thread gave up. Now the same order of events, and the same buffers, as torch's."""
+    for rank, out in enumerate(copies_launched):
+        found = out["buffer futures"]
+        assert not isinstance(found, str), found
+        ref, ours = found["torch"], found["fusedist"]
+        assert ref["log"] == ["forward returned", "future completed", "backward returned"] * 2, ref["log"]
+        assert ours["log"] == ref["log"], (rank, ours["log"])
+        for a, b in zip(ref["buffers"], ours["buffers"]):
+            assert torch.allclose(a.float(), b.float(), atol=1e-6), (rank, a, b)
+        # a training forward whose backward never comes: its futures are waited for before the next forward
+        # (torch waits at the next backward's end only)
+        assert found["no backward"] == ["future completed", "next forward returned"], (rank, found["no backward"])
 
 
 def _one_rank_copy_worker(rank, world):

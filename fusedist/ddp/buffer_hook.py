@@ -10,9 +10,8 @@ Note [a buffer communication hook]
     or after it (``POST_FORWARD``, torch's default) -- with ``{name: buffer}`` of the buffers DDP
     synchronizes (names in the module, rank-local ones left out), so a counter can be summed or
     statistics averaged instead of copied from rank 0. The same here. A hook may return futures
-    (``dist.all_reduce(..., async_op=True).get_future()``): torch waits for them at the end of
-    the backward, this wrapper as the hook returns -- the buffers then hold the reduced values
-    when the forward goes on, the latest point torch guarantees too. ``model._sync_buffers()``
+    (``dist.all_reduce(..., async_op=True).get_future()``): waited for at the end of the backward,
+    as torch waits for them (Note [a buffer hook's futures] in buffer_futures.py). ``model._sync_buffers()``
     is torch's way to run that synchronization now, outside a forward (a collective: every rank
     calls it). Not under ``join()``, where a joined rank cannot run the user's hook: refused there.
     A deep copy or a loaded pickle of the model keeps the hook and its state, as torch's keep them
@@ -23,6 +22,10 @@ from __future__ import annotations
 
 import torch
 from torch.nn.parallel.distributed import _BufferCommHook, _BufferCommHookLocation
+
+from .buffer_futures import PendingBufferFutures
+from .comm_hook import hook_name
+from .prepared import output_nodes
 
 __all__ = ["BufferCommHooks"]
 
@@ -56,6 +59,7 @@ class BufferCommHooks:
                                            buffer_comm_hook_location=comm_hook_location)
 
     _buffer_hook_due = False  # the forward running now ends with the buffer hook (POST_FORWARD)
+    _buffer_futures = None  # a POST_FORWARD hook's futures, waited for at the end of the backward
 
     def _sync_buffers_at_forward(self, buffers: list) -> None:
         """A forward that synchronizes ``buffers`` (the module's, not empty) begins: broadcast them, run
@@ -69,16 +73,35 @@ class BufferCommHooks:
             self._run_buffer_hook(hook)
 
     @torch.compiler.disable
-    def _buffer_hook_after_forward(self) -> None:
+    def _buffer_hook_after_forward(self, out=None) -> None:
+        """Run the POST_FORWARD hook; its futures are waited for at the end of a backward through the
+        training forward's output ``out`` (None: no backward follows, waited for now)."""
         if self._buffer_hook_due:
             self._buffer_hook_due = False
-            self._run_buffer_hook(self.__dict__["buffer_hook"])
+            nodes = output_nodes(out) if out is not None else []
+            self._run_buffer_hook(self.__dict__["buffer_hook"], nodes)
 
-    def _run_buffer_hook(self, hook) -> None:
+    def _run_buffer_hook(self, hook, nodes=()) -> None:
+        """``hook`` now; its futures waited for at the end of a backward through ``nodes``, or now (Note [a
+        buffer hook's futures] in buffer_futures.py)."""
+        self._wait_for_buffer_futures()  # (an earlier run's, before the hook touches the buffers again)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(self.modules_buffers)):
             futures = hook.buffer_comm_hook(hook.buffer_comm_hook_state, self.named_module_buffers)
-            if futures is not None:
-                torch.futures.wait_all(list(futures))
+        if futures is None:
+            return
+        pending = PendingBufferFutures(futures, hook_name(hook.buffer_comm_hook), self.rank, self.comm.timeout)
+        if nodes:
+            self._buffer_futures = pending
+            pending.wait_at_the_end_of_backwards_through(nodes)
+        else:
+            pending.wait()
+
+    def _wait_for_buffer_futures(self) -> None:
+        """Wait for a buffer hook's futures still pending (before a forward, a copy, the next hook run)."""
+        pending = self._buffer_futures
+        if pending is not None:
+            self._buffer_futures = None
+            pending.wait()
 
     def _refuse_buffer_hook_in_join(self) -> None:
         if "buffer_hook" in self.__dict__:
@@ -97,6 +120,7 @@ class BufferCommHooks:
                 "where ranks that ran out of inputs cannot take part; call it after the context ends")
         self.reducer.tracker.find_inserted()
         hook = self.__dict__.get("buffer_hook")
+        self._wait_for_buffer_futures()
         if hook is None:
             self._default_broadcast_coalesced()
         else:

@@ -50,7 +50,9 @@ Note [a copy under overlapped gathers]
     gathers] in fusedist/zero/gather.py), but a module's own parameters are copied before its hooks: a
     copy of a model whose root holds parameters kept the other ranks' slices from before the step. So the
     wrapper's copy and pickle first wait for every gather in flight, through the waiters a compiled
-    forward calls, and copy the final parameters, as a copy under torch's ZeroRedundancyOptimizer does.
+    forward calls, and copy the final parameters, as a copy under torch's ZeroRedundancyOptimizer does. A copy
+    of the inner module alone (``copy.deepcopy(model.module)``) runs none of this: it copies its parameters
+    after the hooks that wait (Note [a copy of the inner module under overlapped gathers] in copied_last.py).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ _CHILD_REGISTRIES = ("_parameters", "_buffers", "_modules")
 #: set on the wrapper by its own forwards, not by its user: a copy starts without them (and without
 #: fusedist's marks on objects it runs, named ``_fusedist_...``: a join context's); and
 #: ``model.compile()``'s compiled call, bound to the original (Note [what a copy keeps])
-_RUNTIME_STATE = frozenset({"_buffer_hook_due", "_compiled_call_impl"})
+_RUNTIME_STATE = frozenset({"_buffer_hook_due", "_buffer_futures", "_compiled_call_impl"})
 _RUNTIME_PREFIX = "_fusedist_"
 
 def construction_checks() -> bool:
@@ -139,6 +141,7 @@ def _wait_for_gathers_in_flight(wrapper) -> None:
     """Let the parameter all-gathers still in flight land before the module is copied (Note [a copy under
     overlapped gathers])."""
     wrapper._wait_for_params(True)  # (told the forward is traced, a waiter waits for every gather)
+    wrapper._wait_for_buffer_futures()  # (a buffer hook's collectives, Note [a buffer hook's futures])
 
 
 def copy_wrapper(wrapper, memo: dict):

@@ -80,12 +80,17 @@ def _tensors(out):
                 yield from _tensors(getattr(leaf, field.name))
 
 
+def output_nodes(out) -> list:
+    """The autograd nodes of the tensors in a forward's output ``out``, each once."""
+    return list({id(t.grad_fn): t.grad_fn for t in _tensors(out) if t.grad_fn is not None}.values())
+
+
 def arm_again_through(reducer, out, sync: bool) -> None:
     """Hook the autograd nodes of a training forward's outputs ``out`` so that a backward
     passing through them later is prepared as that forward prepared its first (``sync``)."""
     if sync and reducer.config.find_unused_parameters and not reducer.in_backward:
         note_unreached(reducer, out)  # Note [unused parameters known after the forward] in unused.py
-    nodes = {id(t.grad_fn): t.grad_fn for t in _tensors(out) if t.grad_fn is not None}
+    nodes = output_nodes(out)
     if not nodes:
         return
     held = weakref.ref(reducer)
@@ -97,5 +102,5 @@ def arm_again_through(reducer, out, sync: bool) -> None:
                 r.prepared, r.next_backward_sync = True, sync
             r.finish_with_this_graph_task()  # Note [the end of a backward with nested ones]
 
-    for node in nodes.values():
+    for node in nodes:
         node.register_prehook(arm)

@@ -26,7 +26,9 @@ from .buffer_hook import BufferCommHooks
 from .comm_hook import register_builtin_comm_hook, register_comm_hook
 from .compiled_autograd import refuse_compiled_autograd_at_forward
 from .config import DDPConfig, first_bucket_cap
+from .copied_last import copy_parameters_last
 from .copies import construction_checks, copy_wrapper, pickled_wrapper, refuse_shallow_copy
+from .destroyed_group import refuse_forward_on_destroyed_group
 from .grad_hook import still_in_order
 from .logging_data import bucket_sizes
 from .module_swap import swap_module
@@ -328,15 +330,17 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, BufferCommHooks,
         if self._before_forward(compiling):
             return _join.run_module(self, args, kwargs)
         out = self.module(*args, **kwargs)
-        if self._buffer_hook_due:
-            self._buffer_hook_after_forward()  # (POST_FORWARD: Note [a buffer communication hook] in buffer_hook.py)
         if not compiling and torch.is_grad_enabled():
             before = RemovableHandle.next_id
             arm_again_through(self.reducer, out, sync=self._no_sync_depth == 0)
             if self._sparse and self._no_sync_depth == 0:
                 self._sparse.arm(out)
+            if self._buffer_hook_due:  # (after the arming: its futures are waited for after the reduction)
+                self._buffer_hook_after_forward(out)  # Note [a buffer hook's futures] in buffer_futures.py
             reducer = self.reducer  # Note [the user's gradient hooks first] in grad_hook.py
             reducer._hooks_ordered = still_in_order(reducer._hooks_ordered, before)
+        elif self._buffer_hook_due:
+            self._buffer_hook_after_forward()  # (POST_FORWARD: Note [a buffer communication hook] in buffer_hook.py)
         return out
 
     # Note [bookkeeping outside compiled graphs]
@@ -357,6 +361,9 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, BufferCommHooks,
         active and the module must run through :func:`_join.run_module`."""
         if self._superseded_by is not None:
             raise RuntimeError(self._superseded_by)
+        refuse_forward_on_destroyed_group(self)  # Note [a forward after its group was destroyed]
+        if self._buffer_futures is not None:  # not waited for by a backward (Note [a buffer hook's futures])
+            self._wait_for_buffer_futures()
         if torch.is_grad_enabled():
             refuse_compiled_autograd_at_forward(type(self).__name__)
             self._synced_forwards += self._no_sync_depth == 0  # Note [torch's DDP logging data]
@@ -407,8 +414,10 @@ class DistributedDataParallel(TorchDDPSurface, BufferBroadcast, BufferCommHooks,
     # they fire (tests/test_compile.py: exact parity with per-layer and whole-model compile).
     def add_param_waiter(self, waiter) -> None:
         """Call the bound method ``waiter(traced: bool)`` before every forward of the module
-        (held weakly: it goes with its owner)."""
+        (held weakly: it goes with its owner). A waiter comes with hooks that wait as they are copied: the
+        module's parameters are copied after them (Note [a copy of the inner module under overlapped gathers])."""
         self._param_waiters.append(weakref.WeakMethod(waiter))
+        copy_parameters_last(self.module)
 
     @torch.compiler.disable
     def _wait_for_params(self, traced: bool) -> None:

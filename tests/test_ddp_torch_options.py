@@ -964,12 +964,16 @@ def test_buffer_comm_hooks_and_sync_buffers_as_torch_ddp(launched):
         for case in cases:
             # (torch waits for a hook's returned all-reduces at the end of the backward: the buffers
             # read after its forward are still being written, and a PRE_FORWARD hook's race with the
-            # forward, as its docs warn; fusedist waits as the hook returns, as a hook that waits)
+            # forward, as its docs warn; fusedist waits for a PRE_FORWARD hook's as the hook returns, and
+            # for a POST_FORWARD hook's at the end of the backward, as torch: those reads are not compared)
             ref_case = case.replace("futures=True", "futures=False")
             theirs, ours = res[ref_case, "torch"], res[case, "fusedist"]
             assert ours[3] == theirs[3] == ["norm.num_batches_tracked", "norm.running_mean", "norm.running_var",
                                             "seen"], case
+            in_flight_after_forward = case == "all-reduce POST_FORWARD futures=True"
             for step, (mine, ref) in enumerate(zip(ours[:3] + ours[4:], theirs[:3] + theirs[4:])):
+                if in_flight_after_forward and step < 2:
+                    continue
                 for a, b in zip(mine, ref):
                     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{case}, step {step}")
         assert "the hook must be callable, got str" in res["not callable"]

@@ -487,12 +487,15 @@ class GradScaler(FoundInfGroupMixin, _TorchGradScaler):
     # update(). The fused optimizer's step context still holds that iteration's clip
     # coefficient, inverse scale and norm, which only step() clears; a later step() without
     # unscale_ would apply them to other gradients. torch's scaler forgets an iteration at
-    # update(), so this one clears what such an optimizer was told.
+    # update(), so this one clears what such an optimizer was told -- after writing into the
+    # gradients what torch's unscale_ and clip would have (a pending lazy inverse scale, a
+    # recorded clip coefficient): a program that accumulates on adds to torch's values.
     def _forget_unstepped(self) -> None:
         for state in self._per_optimizer_states.values():
             ref = state.get("fused_optimizer")
             optimizer = None if ref is None else ref()
             if optimizer is not None and state["stage"] is OptState.UNSCALED:
+                unscale.settle_unstepped(optimizer)
                 optimizer._fusedist_clear_protocol()
 
     def _update_with_hysteresis(self, scale: torch.Tensor, growth_tracker: torch.Tensor,

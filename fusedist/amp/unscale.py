@@ -12,6 +12,7 @@ import torch
 
 from ..optim._complex import memory_view as complex_memory_view
 from ..optim._negated import memory_view as negated_memory_view
+from ..optim._scaler_protocol import _addresses_and_versions as addresses_and_versions
 from ..ownership import gradient_holders_of
 
 
@@ -149,3 +150,17 @@ def copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of ``t`` on ``device``; blocking when that is the host, where a kernel reads and
     writes it at once (Note [host gradients under a device scaler])."""
     return t.to(device=device, non_blocking=torch.device(device).type != "cpu", copy=True)
+
+
+def settle_unstepped(optimizer) -> None:
+    """Leave in ``p.grad`` what torch's unscale_ (and clip) would have left there, for a fused
+    optimizer that was unscaled but not stepped this iteration (Note [an iteration without a
+    step] in grad_scaler.py): a pending lazy inverse scale and a recorded clip coefficient are
+    applied to the gradients, so a program that goes on accumulating into them adds to the
+    values torch's would hold. Gradients written since unscale_, and gradient shards nobody
+    else reads, are left as they are."""
+    recorded = optimizer.step_context.grad_versions
+    if recorded is None or not optimizer._fusedist_grads_in_user_view():
+        return
+    if recorded == addresses_and_versions(optimizer._fusedist_unscale_targets()):
+        optimizer._fusedist_materialize_unscale()

@@ -466,9 +466,11 @@ class FusedOptimizerBase(ScalerProtocol, LoadedStateMixin, Optimizer):
         if self._torch_counterpart is None:
             return defaults
         own = self._own_group_defaults
-        out = {k: v for k, v in defaults.items() if not (k in own and same_setting(v, own[k]))}
-        for key, value in _torch_group_defaults(self._torch_counterpart).items():
-            out.setdefault(key, value)
+        kept = {k: v for k, v in defaults.items() if not (k in own and same_setting(v, own[k]))}
+        # In torch's key order, fusedist-only settings last: a state dict written as text
+        # (JSON, YAML, a log) reads as torch's.
+        out = {key: kept.pop(key, value) for key, value in _torch_group_defaults(self._torch_counterpart).items()}
+        out.update(kept)
         return out
 
     def master_params(self) -> Iterable[torch.Tensor]:

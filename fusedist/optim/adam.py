@@ -49,7 +49,7 @@ class FusedAdam(FusedOptimizerBase):
                  *, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=False, master_weights=False, bias_correction=True):
         if weight_decay is None:
-            weight_decay = 1e-2 if self._adamw else 0.0
+            weight_decay = 1e-2 if self._adamw else 0  # (torch.optim.Adam's default, an int)
         name = type(self).__name__
         for flag, value in (("capturable", capturable), ("differentiable", differentiable)):
             if value:

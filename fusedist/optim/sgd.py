@@ -31,7 +31,7 @@ class FusedSGD(FusedOptimizerBase):
     _sparse_alternative = "torch.optim.SGD (which takes sparse gradients)"
     _own_group_defaults = {"master_weights": False}
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False,
                  *, maximize=False, foreach=None, differentiable=False, fused=None, master_weights=False):
         if differentiable:
             raise ValueError("FusedSGD: differentiable=True is not supported")

@@ -28,6 +28,7 @@ from .owners import Held, record_owner, register_pieces
 from .sharded_class import original_class, refuse_pickling, shallow_copy, sharded_class
 from .child_calls import guard_child_calls
 from .members import check_params, describe, members_of, take_params
+from .registrations import Registrations
 from .module_apply import apply_whole
 from .state import FullyShardState, state_of
 from .tensor_parallel import tensor_parallel_specs
@@ -141,9 +142,9 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         by_owner: dict = {}
         for owner, idx, reg, _ in borrowed:
             by_owner.setdefault((id(owner), idx), (owner, idx, []))[2].append(reg)
-        unit.borrowed = list(by_owner.values())
+        unit.borrowed = [(owner, idx, Registrations(pairs, modules)) for owner, idx, pairs in by_owner.values()]
         for owner in {id(o): o for o, _, _ in unit.borrowed}.values():
-            owner.lent_to.append(unit)  # Note [lent parameters] in unit.py
+            owner.lend_to(unit)  # Note [lent parameters] in unit.py
     FullyShardState(modules, unit, grads, mp_policy, auto)
     if unit is not None:
         guard_child_calls(unit, modules)  # Note [a unit's module called on its own] in child_calls.py

@@ -84,6 +84,11 @@ def has_extension(p) -> bool:
     return hasattr(p, "fsdp_pre_all_gather") or hasattr(p, "fsdp_post_all_gather")
 
 
+def _no_module() -> None:
+    """The module of a spec detached from it (``packed_entry.detached_spec``)."""
+    return None
+
+
 class ExtensionSpec:
     """How a unit holds one extension parameter (Note [all-gather extension]): the subclass,
     the name of its inner tensor, and the context ``__tensor_unflatten__`` rebuilds it from."""
@@ -93,11 +98,22 @@ class ExtensionSpec:
     def __init__(self, param, module):
         self.ctx = param.__tensor_flatten__()[1]
         self.cls, self.name = type(param), wrapped_name(param)
-        self.module = module  # the module holding it, handed to fsdp_pre_all_gather
+        self.module = module
         fn = type(param).fsdp_pre_all_gather
         self.full_signature = len(inspect.signature(fn).parameters) == 6  # self + 5 (FSDP2's new form)
         #: the inputs' shapes and dtypes, fixed at the first gather
         self.inputs: Optional[list[tuple[torch.Size, torch.dtype]]] = None
+
+    @property
+    def module(self) -> Optional[nn.Module]:
+        """The module holding the parameter, handed to ``fsdp_pre_all_gather``; None once freed."""
+        return self._module_ref()
+
+    @module.setter
+    def module(self, module: Optional[nn.Module]) -> None:
+        # weakly: it may be the module given to fully_shard, whose unit holds this spec (Note [a dropped
+        # model freed at once] in state.py)
+        self._module_ref = weakref.ref(module) if module is not None else _no_module
 
     def inner(self, p) -> torch.Tensor:
         """The high-precision tensor the subclass wraps (what the unit shards)."""
@@ -215,7 +231,7 @@ class ExtensionGathers:
         else:
             unit.fulls[k].untyped_storage().resize_(needed)
         # the bytes gathered, then the outputs they are copied into (the bytes are freed then)
-        COUNTERS.add_gathered(2 * needed)
+        COUNTERS.add_gathered(2 * needed, unit)  # (the unit: its bytes leave the count if it is dropped gathered)
         unit._gathered_bytes += 2 * needed
         return send, unit.comm.all_gather(unit.fulls[k], send, async_op=True, tag=tag)
 
@@ -261,7 +277,7 @@ class ExtensionGathers:
             self.outputs[i] = (outputs, list(inner))
         nbytes = unit.fulls[k].numel()
         unit.fulls[k].untyped_storage().resize_(0)
-        COUNTERS.add_gathered(-nbytes)
+        COUNTERS.add_gathered(-nbytes, unit)
         unit._gathered_bytes -= nbytes
 
 

@@ -27,6 +27,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from .extension import has_extension
 from .owners import owner_of
+from .registrations import Registrations
 from .state import state_of
 
 
@@ -129,10 +130,11 @@ def _subclass_refusal(module_name: str, fqn: str, p, how: str = "") -> str:
 
 def take_params(module, modules: list, ignored: set) -> tuple:
     """The parameters one ``fully_shard`` call shards: ``(params, registrations, names, borrowed)``
-    -- each parameter once, with every ``(module, attribute)`` holding it and its first name
-    under ``modules``; and ``(owner, index, (module, attribute), name)`` for each one tied to a
-    parameter another unit holds (Note [lent parameters] in unit.py). Refuses a module sharded
-    after one containing it, and a unit every parameter of which another unit holds."""
+    -- each parameter once, with every ``(module, attribute)`` holding it (``Registrations``:
+    ``modules`` themselves held weakly) and its first name under ``modules``; and ``(owner,
+    index, (module, attribute), name)`` for each one tied to a parameter another unit holds
+    (Note [lent parameters] in unit.py). Refuses a module sharded after one containing it, and a
+    unit every parameter of which another unit holds."""
     params, regs, fqns, borrowed = [], [], [], []
     index_of: dict[int, int] = {}
     for mod_name, sub in managed_modules_of(modules):
@@ -161,7 +163,7 @@ def take_params(module, modules: list, ignored: set) -> tuple:
             "needs a parameter of its own. Leave this module to a parent's fully_shard call, or do not shard "
             f"{owner.name} on its own, so that this call takes the tied weight with the rest (torch's FSDP2 refuses "
             "weights tied across units).")
-    return params, regs, fqns, borrowed
+    return params, [Registrations(r, modules) for r in regs], fqns, borrowed
 
 
 def sharded_by_parent(module, fqn, owner, idx) -> ValueError:

@@ -44,8 +44,13 @@ class PieceMixin:
             self.sharded[index].data = view
 
     def _register(self, index: int, tensor: nn.Parameter) -> None:
-        for module, attr in self.registrations[index]:
+        holders = self.registrations[index]  # (per parameter and swap: the two lists read directly)
+        for module, attr in holders.strong:
             module._parameters[attr] = tensor
+        for module_ref, attr in holders.weak:
+            module = module_ref()
+            if module is not None:
+                module._parameters[attr] = tensor
 
     def _aliases_shard(self, index: int) -> bool:
         shard, sp = self.shards[self.section_index(index)], self.piece_data(index)

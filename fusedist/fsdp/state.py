@@ -176,11 +176,13 @@ Note [a dropped model freed at once]
     context (``CONTEXT_ATTRIBUTE``), which holds the states, the tree (tree_names.py) and the step
     watch -- and every reference back up is weak: a state's modules and context, the unit's
     callbacks into its state, the extension gathers' unit, the tree's and the watch's root modules
-    (what is below the root does not lead back to it), the step check's report callbacks. torch's
-    FSDP2 model stays until the next collection (its hooks and states form cycles). What is left:
-    a fully_shard module holding parameters itself (not through a submodule) is held by its unit's
-    registrations, a cycle the garbage collector frees. A block kept by the program outlives its
-    dropped root and becomes a root of its own at its next forward.
+    (what is below the root does not lead back to it), the step check's report callbacks; and where
+    a module given to fully_shard holds a parameter itself, the unit's registrations of it
+    (registrations.py) and an all-gather extension's spec (``ExtensionSpec.module``); between units,
+    a lender's borrowers (``lent_to``: the borrower holds its lender, Note [lent parameters] in
+    unit.py). torch's FSDP2 model stays until the next collection (its hooks and states form
+    cycles). A block kept by the program outlives its dropped root and becomes a root of its own at
+    its next forward.
 
 """
 

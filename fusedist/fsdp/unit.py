@@ -96,6 +96,7 @@ from .layout import SplitLayout
 from .memory import COUNTERS
 from .buffers import BufferMixin
 from .pieces import PieceMixin
+from .registrations import Registrations
 from . import stale
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from .param_view import ShardParam, as_piece
@@ -160,9 +161,10 @@ class ShardedUnit(BufferMixin, PieceMixin):
             self.dtype = self.param_dtype = None  # per section: section_dtype(k), section_param_dtype(k)
         self._build(params, offload_policy)
         #: owner units of parameters shared with another unit: (owner, owner index, registrations)
-        self.borrowed: list[tuple["ShardedUnit", int, list]] = []
-        #: units borrowing parameters of this one, and whether a reshard waits for them
-        self.lent_to: list["ShardedUnit"] = []
+        self.borrowed: list[tuple["ShardedUnit", int, Registrations]] = []
+        # units borrowing parameters of this one (weakly: a borrower holds this unit in ``borrowed``, Note
+        # [a dropped model freed at once] in state.py), and whether a reshard waits for them
+        self._lent_to: list[weakref.ref] = []
         self.reshard_deferred = False
         self.is_unsharded = False
         self.gathered_once = False  # FSDP2's condition for reducing an unused unit (grads.py)
@@ -185,6 +187,18 @@ class ShardedUnit(BufferMixin, PieceMixin):
         self.visible = list(self.unsharded)
         for i in range(len(self.unsharded)):
             self._make_visible(i)
+
+    def lend_to(self, borrower: "ShardedUnit") -> None:
+        self._lent_to.append(weakref.ref(borrower))
+
+    @property
+    def lent_to(self) -> list:
+        """The units borrowing parameters of this one, those alive (Note [lent parameters])."""
+        return [b for b in (r() for r in self._lent_to) if b is not None]
+
+    def _borrower_gathered(self) -> bool:
+        """Whether a unit borrowing parameters of this one is gathered (its reshard waits for them)."""
+        return bool(self._lent_to) and any(b.is_unsharded for b in self.lent_to)
 
     def _make_visible(self, i: int) -> None:
         """Parameter ``i`` as the modules hold it gathered, with the hook that tells the unit its
@@ -296,7 +310,7 @@ class ShardedUnit(BufferMixin, PieceMixin):
         parameters on the unit's buffer again, so the next gather reads the pieces."""
         changed = [i for i, u in enumerate(self.unsharded) if self.ext[i] is None and self.tp[i] is None
                    and (u.dtype != self.section_param_dtype(self.section_index(i)) or u.device != self.device)]
-        if not changed or any(b.is_unsharded for b in self.lent_to):
+        if not changed or self._borrower_gathered():
             return
         for i in changed:
             u, data = self.unsharded[i], self.piece_data(i)
@@ -337,7 +351,7 @@ class ShardedUnit(BufferMixin, PieceMixin):
             self._gather = None
             self._release_post_forward_bytes()
             self.is_unsharded = landed = True  # landed; swapped back below
-        if self.is_unsharded and any(b.is_unsharded for b in self.lent_to):
+        if self.is_unsharded and self._borrower_gathered():
             if landed:
                 self._copy_out()
                 for i, u in enumerate(self.unsharded):
@@ -361,7 +375,7 @@ class ShardedUnit(BufferMixin, PieceMixin):
         borrower defers (Note [lent parameters]), reshards fully."""
         group = self.post_forward
         if group is None or self._gather is not None or not self.is_unsharded \
-                or any(b.is_unsharded for b in self.lent_to):
+                or self._borrower_gathered():
             self.reshard()
             return
         with torch.no_grad():

@@ -10,12 +10,12 @@ train FSDP2 models: ``configure_model`` shards each block and the root over
 * fp16 mixed precision with its scaler (fusedist's GradScaler, found-inf across the ranks);
 * resuming with ``trainer.fit(ckpt_path=...)`` from Lightning's sharded checkpoint (Lightning's
   loader did not recognise a fusedist model: "Could not find a distributed model") and from
-  its full one (``save_distributed_checkpoint=False``), written by fusedist or by torch: two
-  epochs, save, two more epochs equal four epochs straight.
+  its full one (``save_distributed_checkpoint=False``), written by fusedist or by torch: one
+  epoch, save, one more epoch equal two epochs straight.
 
 Ranks are processes of :func:`fusedist.testing.run_distributed` with the torchelastic
 variables set (test_e2e_lightning_recipe.py). Tolerance: fp32, the same operations in another
-order (flat-buffer reduce-scatter against FSDP2's per-parameter one, fused clip) over 16 steps
+order (flat-buffer reduce-scatter against FSDP2's per-parameter one, fused clip) over 8 steps
 on values of order 1: 1e-5; fp16 autocast: 1e-3 (a differently rounded fp32 weight can move a
 matmul output by one fp16 ulp, 2^-11 relative). What the tests exist for moves the weights by
 1e-3 or more (clipping by another coefficient; a resume that restarts the optimizer).
@@ -136,13 +136,15 @@ def _worker(rank: int, world: int, seed: int, root: str):
         return dict(plugins=[MixedPrecision("16-mixed", "cpu")], **clip)
     out["16-mixed + clip"] = (_fit("fusedist", seed, 2, **fp16()), _fit("torch", seed, 2, **fp16()), 1e-3)
 
-    straight = _fit("torch", seed, 4)
+    # (one epoch, 4 steps, before the save: a resume that restarted the optimizer moves the
+    # weights by far more than the tolerance within the 4 steps after it)
+    straight = _fit("torch", seed, 2)
     for distributed_ckpt in (True, False):
         kind = "sharded" if distributed_ckpt else "full"
         for writer in ("fusedist", "torch"):
             path = os.path.join(root, f"{kind}-{writer}.ckpt")
-            _fit(writer, seed, 2, save=path, distributed_ckpt=distributed_ckpt)
-            resumed = _fit("fusedist", seed, 4, ckpt_path=path, distributed_ckpt=distributed_ckpt)
+            _fit(writer, seed, 1, save=path, distributed_ckpt=distributed_ckpt)
+            resumed = _fit("fusedist", seed, 2, ckpt_path=path, distributed_ckpt=distributed_ckpt)
             out[f"resume from {writer}'s {kind} checkpoint"] = (resumed, straight, 1e-5)
     return {name: (float((ours - ref).abs().max()), tol) for name, (ours, ref, tol) in out.items()}
 
@@ -179,11 +181,11 @@ def _tensor_parallel_worker(rank: int, world: int, seed: int, root: str):
     tp = dict(tp=2)
     out = {"clip by norm": (_fit("fusedist", seed, 2, gradient_clip_val=0.05, **tp),
                             _fit("torch", seed, 2, gradient_clip_val=0.05, **tp), 1e-5)}
-    straight = _fit("torch", seed, 4, **tp)
+    straight = _fit("torch", seed, 2, **tp)  # (one epoch, save, one more: as in _worker)
     for writer in ("fusedist", "torch"):
         path = os.path.join(root, f"tp-{writer}.ckpt")
-        _fit(writer, seed, 2, save=path, **tp)
-        out[f"resume from {writer}'s sharded checkpoint"] = (_fit("fusedist", seed, 4, ckpt_path=path, **tp),
+        _fit(writer, seed, 1, save=path, **tp)
+        out[f"resume from {writer}'s sharded checkpoint"] = (_fit("fusedist", seed, 2, ckpt_path=path, **tp),
                                                               straight, 1e-5)
     return {name: (float((ours - ref).abs().max()), tol) for name, (ours, ref, tol) in out.items()}
 

@@ -35,6 +35,7 @@ flat shard vs per-parameter tensors), i.e. a few fp32 ulps per step (measured: <
 defect checked here moves a parameter by ~1e-3 or more (lr >= 5e-3, weight decay 0.1).
 """
 
+import contextlib
 import copy
 import functools
 import io
@@ -343,10 +344,11 @@ def _refusal_worker(rank, ws, seed):
         p.grad = torch.ones_like(p)
     opt.step()
     # Without a DDP model the gradients are the caller's: a step where only rank 0 has any
-    # (rank 1 returned at once and left rank 0 in the parameter all-gather until the timeout).
+    # (rank 1 returned at once and left rank 0 in the parameter all-gather until the timeout). The
+    # gradients were alike at the first step, so every rank now raises at this step's end, in step.
     for p in params:
         p.grad = torch.ones_like(p) if rank == 0 else None
-    opt.step()
+    out["one rank's gradients"] = message(opt.step)
     opt.zero_grad()
     opt.step()  # no rank has gradients
     out["after"] = _flat(m).tolist()
@@ -455,9 +457,65 @@ def _copies_under_gathers_in_flight(rank, ws, seed):
     return out
 
 
+def _accumulated_under_torch_ddp(make_opt, seed, rank, ws, *, dtype=torch.float32, unsynced_from=None,
+                                 by_flag=False, steps=3):
+    """Steps 1..``steps`` of two micro-batches under torch's DDP, the first under no_sync(); from step
+    ``unsynced_from`` on the last one is not averaged either (under no_sync(), or ``by_flag``:
+    ``require_backward_grad_sync`` left False). Returns the module and the error text (or "no error")."""
+    m = _net(seed).to(dtype)
+    model = nn.parallel.DistributedDataParallel(m)
+    opt = make_opt(m)
+    try:
+        for step in range(1, steps + 1):
+            opt.zero_grad()
+            for k in range(2):
+                x, y = _batch(seed, step * 10 + k, rank, ws)
+                unsynced = k == 0 or (unsynced_from is not None and step >= unsynced_from)
+                if unsynced and by_flag and k == 1:
+                    model.require_backward_grad_sync = False
+                with model.no_sync() if unsynced else contextlib.nullcontext():
+                    nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+            opt.step()
+    except RuntimeError as exc:
+        return m, str(exc)
+    return m, "no error"
+
+
+def _gradients_compared_every_step(rank, ws, seed):
+    """Gradients averaged at the first step and not later (Note [gradients compared at every step])."""
+    import fusedist
+    from fusedist.zero import carried_agreement
+    from shared_rank_launch import under_env
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
+
+    def zero(**kw):
+        return lambda m: fusedist.ZeroRedundancyOptimizer(m.named_parameters(), torch.optim.AdamW, lr=0.01, **kw)
+
+    def run(make_opt, **kw):
+        return _accumulated_under_torch_ddp(make_opt, seed, rank, ws, **kw)
+
+    out = {}
+    # Healthy: several buckets (the smallest carries the fingerprints), against torch's sharded optimizer.
+    got, out["healthy"] = run(zero(bucket_cap_mb=0.0002))
+    want, _ = run(lambda m: TorchZeRO(m.parameters(), torch.optim.AdamW, lr=0.01))
+    out["healthy diff"] = (_flat(got) - _flat(want)).abs().max().item()
+    out["healthy bf16"] = run(zero(), dtype=torch.bfloat16)[1]
+    out["healthy offload"] = run(zero(offload="cpu"))[1]
+    out["no_sync at step 2"] = run(zero(), unsynced_from=2)[1]
+    out["flag at step 3, bf16"] = run(zero(), unsynced_from=3, by_flag=True, dtype=torch.bfloat16)[1]
+    out["checks off"] = under_env(rank, ws, {"FUSEDIST_CHECKS": "0"}, lambda *_: run(zero(), unsynced_from=2)[1])
+    saved, carried_agreement.MAX_CARRIER_ELEMENTS = carried_agreement.MAX_CARRIER_ELEMENTS, 0
+    try:  # no bucket small enough to carry them: the fingerprints' own all-gather
+        out["own gather, no_sync at step 3"] = run(zero(offload="cpu"), unsynced_from=3)[1]
+    finally:
+        carried_agreement.MAX_CARRIER_ELEMENTS = saved
+    return out
+
+
 def _drop_in_checks(rank, ws, seed):
     return {"refusals": _refusal_worker(rank, ws, seed), "built again": _built_again(rank, ws, seed),
-            "copies in flight": _copies_under_gathers_in_flight(rank, ws, seed)}
+            "copies in flight": _copies_under_gathers_in_flight(rank, ws, seed),
+            "compared every step": _gradients_compared_every_step(rank, ws, seed)}
 
 
 @pytest.fixture(scope="module")
@@ -493,6 +551,26 @@ def test_a_copy_taken_while_parameter_gathers_are_in_flight_holds_the_final_para
         assert out["deepcopy"] == 0.0 and out["pickle"] == 0.0, where
 
 
+def test_gradients_no_longer_averaged_after_the_first_step_are_refused_on_every_rank(two_rank_run):
+    """fusedist ZeRO over torch DDP, two micro-batches a step: averaged, it trains as torch's sharded
+    optimizer and raises nothing (fp32, bf16, offload); once the last micro-batch runs unaveraged
+    (no_sync(), or require_backward_grad_sync left False), every rank raises at that step's end."""
+    seed, results = two_rank_run
+    for rank, per_rank in enumerate(results):
+        out = per_rank["compared every step"]
+        where = f"seed {seed}, rank {rank}: {out}"
+        assert out["healthy diff"] <= TOL, where
+        assert out["healthy"] == out["healthy bf16"] == out["healthy offload"] == "no error", where
+        assert out["checks off"] == "no error", where  # FUSEDIST_CHECKS=0 turns it off
+        for scenario, step in (("no_sync at step 2", 2), ("flag at step 3, bf16", 3),
+                               ("own gather, no_sync at step 3", 3)):
+            text = out[scenario]
+            assert text.startswith(f"ZeroRedundancyOptimizer (rank {rank}): at step {step} the gradients differ "
+                                   "across ranks at 6 parameter(s)"), where
+            assert "'a.weight'" in text and "and 2 more" in text and "rank 0 has a gradient of norm" in text, where
+            assert "rank 1 a gradient of norm" in text and "outside no_sync()" in text, where
+
+
 def test_refusals_name_the_parameter_and_ranks(two_rank_run):
     seed, results = two_rank_run
     results = [per_rank["refusals"] for per_rank in results]
@@ -511,6 +589,9 @@ def test_refusals_name_the_parameter_and_ranks(two_rank_run):
         assert out["join torch ddp"].startswith("ValueError: ZeroRedundancyOptimizer (rank"), where
         assert "fusedist.DistributedDataParallel model" in out["join torch ddp"], where
         assert out["no params key"].startswith("ValueError") and "'params'" in out["no params key"], where
+        assert out["one rank's gradients"].startswith(f"RuntimeError: ZeroRedundancyOptimizer (rank {rank}): at step "
+                                                      "2 the gradients differ across ranks at 6 parameter(s)"), where
+        assert "a gradient on some ranks only: rank 0 has a gradient of norm" in out["one rank's gradients"], where
     assert results[0]["after"] == results[1]["after"], f"seed {seed}: the ranks' parameters differ"
 
 

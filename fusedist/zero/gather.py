@@ -34,8 +34,11 @@ Note [a model pickled under overlapped gathers]
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 import torch
+
+ROWS_ALONE = -1  # the key of the fingerprint rows' own all-gather among the bucket indices
 
 
 class ParamGatherer:
@@ -50,13 +53,28 @@ class ParamGatherer:
         self.hooks: list = []  # removable handles of the hooks installed on the model
         self.compiled_inside = False
         self.orphaned = False  # its optimizer is gone: the hooks come off before the next forward
+        # Note [gradients compared at every step] in carried_agreement.py: this step's rows to carry,
+        # the verdict on the rows gathered, and the steps counted (the error names the step).
+        self.rows = None
+        self.refusal: Optional[RuntimeError] = None
+        self.steps = 0
+        self.carrier_buffers: dict = {}
 
     # ------------------------------------------------------------------ gathers
     def gather(self, flat_params, bs) -> None:
-        """Start the all-gather of bucket shard ``bs`` into the parameters' flat buffer."""
-        self.handles[bs.bucket.index] = self.comm.all_gather(
-            flat_params.bucket_view(bs), flat_params.shard_view(bs), async_op=True,
-            tag=f"zero param gather bucket {bs.bucket.index}")
+        """Start the all-gather of bucket shard ``bs`` into the parameters' flat buffer (with the
+        step's gradient fingerprints behind the slice where this bucket carries them)."""
+        index, rows, tag = bs.bucket.index, self.rows, f"zero param gather bucket {bs.bucket.index}"
+        if rows is not None and rows.carrier == index:
+            self.rows = None
+            self.handles[index] = rows.gather_with(self.comm, self.world_size, flat_params.bucket_view(bs),
+                                                   flat_params.shard_view(bs), tag, self.carrier_buffers)
+            return
+        self.handles[index] = self.comm.all_gather(
+            flat_params.bucket_view(bs), flat_params.shard_view(bs), async_op=True, tag=tag)
+        if rows is not None and rows.carrier is None:  # (no bucket small enough: the rows' own gather)
+            self.rows = None
+            self.handles[ROWS_ALONE] = rows.gather_alone(self.comm, self.world_size, self.carrier_buffers)
 
     @torch.no_grad()
     def publish(self, partition, flat_params, masters) -> None:

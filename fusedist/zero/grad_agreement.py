@@ -14,8 +14,10 @@ Note [gradients nobody averaged]
     +-1 pattern (which two different gradients of the same norm do not share) -- and on a difference
     every rank raises the same error, naming the parameter and two ranks, before anything is stepped. The
     ranks then exchange that one parameter's fingerprints to name the ranks (the error path only). Once a
-    comparison found the gradients alike, later steps compare nothing: a program that averages its
-    gradients once does so in every step, and the check costs one small collective in a run.
+    comparison found the gradients alike, later steps compare their norms on the tail of a parameter
+    all-gather they make anyway (Note [gradients compared at every step] in carried_agreement.py): a
+    program that averaged its gradients once may stop doing so (accumulation under torch DDP's
+    no_sync() that takes in the last micro-batch too).
 
     Alike means within a relative ``tolerance`` of the largest norm (1e-5 in FP32/FP64, a few rounding
     steps in half precision): averaged gradients are bitwise equal on every rank, and the fingerprint of
@@ -32,6 +34,7 @@ from typing import Optional
 import torch
 
 from ..comm.objects import all_gather_object
+from ..reliability.config import checks_enabled
 from .wiring import DROPPED_WRAPPER_ADVICE, dropped_wrapper
 
 OP = "ZeroRedundancyOptimizer: gradients compared across ranks"
@@ -117,18 +120,48 @@ def _describe(row: list) -> str:
     return f"a gradient of norm {row[NORM]:.6g}"
 
 
+def carries(zero) -> bool:
+    """Whether this step's parameter all-gathers carry the gradients' fingerprints: every step after the
+    first comparison found them alike (Note [gradients compared at every step] in carried_agreement.py)."""
+    return (zero._grads_agreed and zero.stage == 1 and zero.ddp is None and not zero._averaged_by_model
+            and zero.comm is not None and zero.world_size > 1 and not zero._join_config.enable
+            and zero._partition is not None and checks_enabled())
+
+
+def raise_carried(zero) -> None:
+    """Raise the verdict of the fingerprints this step's gathers carried, if they differed (every rank
+    alike, at the end of the step)."""
+    refusal, zero._gatherer.refusal = zero._gatherer.refusal, None
+    zero._gatherer.rows = None  # (rows no gather took: they hold the optimizer)
+    if refusal is not None:
+        raise refusal
+
+
+def _local_fingerprints(zero) -> torch.Tensor:
+    """This rank's fingerprint of each parameter's gradient, ``[parameters, WIDTH]`` float64. The sharded
+    ones only: which parameters are sharded is compared on its own (Note [parameters unfrozen on some
+    ranks only] in trainable_check.py), before a parameter unfrozen since joins."""
+    sharded = set(zero._trainable)
+    return torch.stack([fingerprint(p.grad if i in sharded else None, zero._device)
+                        for i, p in enumerate(zero._params)])
+
+
 def check(zero) -> None:
-    """Compare the gradients of ``zero``'s parameters across ranks once (Note [gradients nobody
-    averaged]); raise on every rank, before anything is stepped, where they differ. A collective:
-    every rank's ``step()`` calls it at the same point."""
+    """Compare the gradients of ``zero``'s parameters across ranks until they are found alike (Note
+    [gradients nobody averaged]); raise on every rank, before anything is stepped, where they differ. A
+    collective: every rank's ``step()`` calls it at the same point. Later steps hand their fingerprints to
+    the parameter all-gathers instead (Note [gradients compared at every step] in carried_agreement.py)."""
+    raise_carried(zero)  # (a verdict of gathers waited for after the step that made them)
+    zero._gatherer.steps += 1
+    zero._gatherer.rows = None  # (rows of an earlier step that never gathered them)
     if not compares(zero):
+        if carries(zero):  # Note [gradients compared at every step] in carried_agreement.py
+            from .carried_agreement import CarriedRows
+
+            zero._gatherer.rows = CarriedRows(zero, zero._gatherer.steps)
         return
     params = zero._params  # (the same parameters on every rank: compared at construction)
-    # The sharded ones only: which parameters are sharded is compared on its own (Note [parameters
-    # unfrozen on some ranks only] in trainable_check.py), before a parameter unfrozen since joins.
-    sharded = set(zero._trainable)
-    local = torch.stack([fingerprint(p.grad if i in sharded else None, zero._device)
-                         for i, p in enumerate(params)]).to(zero.comm.device)
+    local = _local_fingerprints(zero).to(zero.comm.device)
     packed = torch.cat([local.reshape(-1), -local.reshape(-1)])
     zero.comm.all_reduce(packed, op="max", tag=OP)
     values = packed.cpu().tolist()

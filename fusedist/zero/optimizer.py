@@ -76,8 +76,9 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       gradients] in ``grad_sync.py``); ``no_sync()`` works. Without DDP (stage 1 only) the
       gradients must already be synchronized (e.g. torch DDP, or a single process) -- the first step
       checks that they are, and refuses ones that differ across ranks (Note [gradients nobody averaged] in
-      grad_agreement.py) --; so are a DDP model's in stage 1 with a *subset* of its parameters (Note [a subset
-      of a DDP model's parameters] in wiring.py).
+      grad_agreement.py), and every later step compares their norms on a parameter all-gather, raising at
+      its end (Note [gradients compared at every step] in carried_agreement.py) --; so are a DDP model's in
+      stage 1 with a *subset* of its parameters (Note [a subset of a DDP model's parameters] in wiring.py).
     * The shards are built at construction (DDP's bucket layout is fixed from then on, Note
       [layout fixed by a sharded consumer] in ``fusedist/ddp/rebucket.py``); the first ``step()``
       (or a load) creates the optimizer state and re-points every parameter's storage into one
@@ -399,6 +400,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             # accumulate, as in torch.
             self._forget_grads(set_to_none=False, stepped=True)
             self._record_param_versions()
+            grad_agreement.raise_carried(self)  # Note [gradients compared at every step] (carried_agreement.py)
         finally:
             self._fusedist_clear_protocol()
         return loss
@@ -427,6 +429,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             if not self.overlap_param_gather:
                 self.wait_for_params()
         self._record_param_versions()
+        grad_agreement.raise_carried(self)  # (the fingerprints carried by these gathers)
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's: the group's trainable parameters are sharded and stepped like the others

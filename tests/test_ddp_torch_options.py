@@ -1040,27 +1040,78 @@ def test_sink_clone_setting_and_the_logger_as_torch_ddps(launched):
 
 def _gradient_handles(model, batches) -> dict:
     """What code holding ``p.grad`` tensors sees: one kept across ``zero_grad()`` (set to None),
-    one assigned by hand before a backward, ``detach_()`` on a gradient."""
-    p = model.module[0].weight
-    seen = {}
+    one assigned by hand before a backward (and one before a ``no_sync`` accumulation), ``_base``,
+    ``detach_()`` and the optimizer's ``zero_grad(set_to_none=False)`` on a gradient."""
+    p, q = model.module[0].weight, model.module[1].weight
+    seen, values = {}, []
     for _ in range(3):  # (past torch's bucket rebuild, which gives new storage once)
         model.zero_grad()
         model(batches[0]).sum().backward()
+    storages = {g.grad.untyped_storage().data_ptr() for g in model.parameters()}
     kept, before = p.grad, p.grad.clone()
     model.zero_grad()
     model(batches[1]).sum().backward()
     seen["kept unchanged"] = torch.equal(kept, before)
+    storages |= {g.grad.untyped_storage().data_ptr() for g in model.parameters() if g is not p}
+    seen["gradient storages"] = len(storages)
+    seen["kept is the new gradient"] = p.grad is kept
+    values += [kept, p.grad.clone()]
     model.zero_grad()
     mine = torch.zeros_like(p)
     p.grad = mine
     model(batches[2]).sum().backward()
-    seen["assigned is the gradient"] = p.grad is mine and torch.equal(mine, p.grad)
+    seen["assigned is the gradient"] = p.grad is mine
+    values.append(mine.clone())
+    seen["_base"] = q.grad._base is None
     try:
-        p.grad.detach_()
+        q.grad.detach_()
         seen["detach_"] = "ok"
     except RuntimeError as exc:
         seen["detach_"] = "gradient_as_bucket_view" in str(exc)
-    seen["grads"] = [q.grad.clone() for q in model.parameters()]
+    model.zero_grad()
+    accumulated = torch.zeros_like(p)
+    p.grad = accumulated
+    with model.no_sync():
+        model(batches[0]).sum().backward()
+    model(batches[1]).sum().backward()
+    seen["assigned accumulates"] = p.grad is accumulated
+    values.append(accumulated.clone())
+    torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=False)
+    seen["zeroed in place"] = p.grad is accumulated and not accumulated.any().item()
+    model(batches[2]).sum().backward()
+    seen["grads"] = values + [g.grad.clone() for g in model.parameters()]
+    return seen
+
+
+class _BranchOnRankZero(nn.Module):
+    """``c`` is used on rank 0 only: rank 1's gradient of it is the average it did not add to."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 3), nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x, use_c: bool):
+        h = self.a(x)
+        return self.b(h).sum() + (self.c(h).sum() if use_c else 0)
+
+
+def _held_gradients_of_unused_parameters(model, batches, rank) -> dict:
+    """With ``find_unused_parameters=True``: a kept gradient of a parameter this rank did not use
+    (its slot written by the bucket's collective alone), and one assigned by hand to it."""
+    c = model.module.c.weight
+    for _ in range(3):
+        model.zero_grad()
+        model(batches[0], rank == 0).backward()
+    kept, before = c.grad, c.grad.clone()
+    model.zero_grad()
+    model(batches[1], rank == 0).backward()
+    seen = {"kept unchanged": torch.equal(kept, before)}
+    model.zero_grad()
+    mine = torch.ones_like(c)
+    c.grad = mine
+    model(batches[2], rank == 0).backward()
+    seen["assigned is the gradient"] = c.grad is mine
+    seen["grads"] = [kept, mine.clone()] + [g.grad.clone() for g in model.parameters()]
     return seen
 
 
@@ -1070,28 +1121,42 @@ def _gradient_views_beside_torch(rank, world):
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randn(3, 4, generator=gen) for _ in range(3)]
     results = {}
-    for view in (False, True):
-        for name, cls in (("torch", nn.parallel.DistributedDataParallel),
-                          ("fusedist", fusedist.DistributedDataParallel)):
-            torch.manual_seed(0)
-            model = cls(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), gradient_as_bucket_view=view)
-            results[name, view] = _gradient_handles(model, batches)
+    for name, cls, options in (("torch", nn.parallel.DistributedDataParallel, {}),
+                               ("torch", nn.parallel.DistributedDataParallel, dict(gradient_as_bucket_view=True)),
+                               ("fusedist", fusedist.DistributedDataParallel, {}),
+                               ("fusedist", fusedist.DistributedDataParallel, dict(gradient_as_bucket_view=False))):
+        torch.manual_seed(0)
+        model = cls(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), **options)
+        results[name, model.gradient_as_bucket_view] = _gradient_handles(model, batches)
+        torch.manual_seed(0)
+        model = cls(_BranchOnRankZero(), find_unused_parameters=True, **options)
+        results[name, model.gradient_as_bucket_view, "unused"] = _held_gradients_of_unused_parameters(
+            model, batches, rank)
     return results
 
 
-def test_gradient_as_bucket_view_false_keeps_torchs_default_gradient_tensors(launched):
-    """fusedist's default (``gradient_as_bucket_view=True``) is torch's ``True``: a gradient kept
-    across ``zero_grad()`` is overwritten by the next backward, one assigned by hand is replaced by
-    the bucket view, ``detach_()`` is refused. ``gradient_as_bucket_view=False`` gives torch's
-    default: the user's tensors stay theirs."""
+def test_gradient_tensors_a_user_holds_behave_as_torchs_default_ones(launched):
+    """fusedist's default gradient views (``gradient_as_bucket_view=True``) save torch's copy, yet a
+    gradient tensor the user holds behaves as under torch's default (``False``): one kept across
+    ``zero_grad()`` keeps its values, one assigned by hand stays ``p.grad`` and receives the
+    average, gradients have no ``_base`` and take ``detach_()`` (torch's ``True`` differs on each).
+    ``gradient_as_bucket_view=False`` gives torch's default gradient tensors too."""
     for res in results_of(launched, "gradient views"):
-        for view in (False, True):
-            theirs, ours = res["torch", view], res["fusedist", view]
-            for a, b in zip(ours.pop("grads"), theirs.pop("grads")):
+        theirs = res["torch", False]
+        for key in ((view,) + case for view in (True, False) for case in ((), ("unused",))):
+            ours, ref = dict(res[("fusedist",) + key]), dict(res[("torch", False) + key[1:]])
+            if not key[1:]:  # the views' memory saving kept: the gradients are the bucket's slots
+                storages, theirs_apart = ours.pop("gradient storages"), ref.pop("gradient storages")
+                assert (storages == 1) is key[0] and theirs_apart > 1, (key, storages, theirs_apart)
+            for a, b in zip(ours.pop("grads"), ref["grads"]):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-            assert ours == theirs, (view, ours, theirs)
-        assert res["fusedist", False] == {"kept unchanged": True, "assigned is the gradient": True, "detach_": "ok"}
-        assert res["fusedist", True] == {"kept unchanged": False, "assigned is the gradient": False, "detach_": True}
+            assert ours == {k: v for k, v in ref.items() if k != "grads"}, (key, ours, ref)
+        assert res["torch", False, "unused"] == dict(res["torch", False, "unused"], **{
+            "kept unchanged": True, "assigned is the gradient": True})
+        assert theirs == dict(theirs, **{"kept unchanged": True, "assigned is the gradient": True, "_base": True,
+                                         "detach_": "ok", "assigned accumulates": True})
+        views = res["torch", True]  # what torch's gradient views would have given
+        assert (views["kept unchanged"], views["assigned is the gradient"], views["_base"]) == (False, False, False)
 
 
 # ---------------------------------------------------------------- the shared launch
@@ -1124,7 +1189,7 @@ def launched(request, tmp_path_factory):
             "hook annotations": (_hook_annotations, ())},
         "test_buffer_comm_hooks_and_sync_buffers_as_torch_ddp": {"buffer hooks": (_buffer_hooks_beside_torch, ())},
         "test_sink_clone_setting_and_the_logger_as_torch_ddps": {"sink clone, logger": (_sink_clone_and_logger, ())},
-        "test_gradient_as_bucket_view_false_keeps_torchs_default_gradient_tensors": {
+        "test_gradient_tensors_a_user_holds_behave_as_torchs_default_ones": {
             "gradient views": (_gradient_views_beside_torch, ())},
         "test_state_dict_hooks_run_as_often_as_under_torch_ddp_across_a_load": {
             "state_dict hooks across a load": (_state_dict_hooks_across_a_load, ())},

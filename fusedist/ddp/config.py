@@ -42,8 +42,10 @@ class DDPConfig:
     then reported as an error after backward instead of hanging the next step."""
 
     gradient_as_bucket_view: bool = True
-    """``param.grad`` are views into the flat bucket buffers: no per-step copy and no second
-    copy of the gradients in memory."""
+    """``param.grad`` are slots of the flat bucket buffers: no per-step copy and no second
+    copy of the gradients in memory. A gradient tensor the user holds (kept across
+    ``zero_grad()``, or assigned by hand) still behaves as under torch's default ``False``
+    (Note [gradients the user holds] in held_grads.py). False: each gradient a tensor of its own."""
 
     static_graph: bool = False
     """torch's ``static_graph``: every iteration runs the same graph, so a parameter's gradient

@@ -69,6 +69,7 @@ Note [the user's gradient hooks first]
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -79,9 +80,11 @@ if TYPE_CHECKING:
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from .held_grads import GRAD_IDLE
 from .static_graph import arrived_again
 
 _perf_counter = time.perf_counter
+_refs = sys.getrefcount
 _mul = torch.mul
 _frame_hook = torch._C._dynamo.eval_frame.get_eval_frame_callback
 
@@ -153,12 +156,16 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
             else:
                 _mul(grad, bucket.fold, out=view)
             if self.as_view:
-                try:
-                    p.grad = view
-                except RuntimeError as exc:  # the parameter is no longer what the buffers hold
-                    raise self.converted_after_wrapping(self.names[entry.index], p, view.dtype, view.device) from exc
-                # Note [fresh gradient freed before the launch]: drop the last reference now.
-                grad = None
+                if _refs(grad) > GRAD_IDLE:  # held besides p.grad: Note [gradients the user holds] (held_grads.py)
+                    self.own_grads.append(p)  # stays p.grad, given the average after the buckets
+                else:
+                    try:
+                        p.grad = view
+                    except RuntimeError as exc:  # the parameter is no longer what the buffers hold
+                        raise self.converted_after_wrapping(self.names[entry.index], p, view.dtype,
+                                                            view.device) from exc
+                    # Note [fresh gradient freed before the launch]: drop the last reference now.
+                    grad = None
         elif bucket.fold is not None:
             bucket.unfolded.append(view)  # accumulated in place: still to be divided at launch
         self.t_last_grad = _perf_counter()

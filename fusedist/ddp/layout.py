@@ -140,6 +140,24 @@ def slot_view(flat: torch.Tensor, param: torch.Tensor, record: tuple) -> torch.T
     return flat.view(shape) if strides is None else flat.as_strided(shape, strides)
 
 
+def alias_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory (storage, offset, shape, strides) that is not an autograd
+    view of it: a gradient slot handed out as ``p.grad`` has no ``_base`` and takes ``detach_()``,
+    as torch's default gradient tensors do (Note [gradients the user holds] in held_grads.py)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+def slot_geometry(param: torch.Tensor, record: tuple) -> tuple:
+    """The shape and strides (None: row-major) :func:`slot_view` cuts ``param``'s slot with."""
+    shape, strides = record
+    if tuple(param.shape) == shape:
+        return shape, strides
+    if param.is_contiguous() or not is_dense(param):
+        return tuple(param.shape), None
+    return tuple(param.shape), tuple(param.stride())
+
+
 def slot_order(param: torch.Tensor) -> tuple:
     """The strides that order ``param``'s slot (:func:`shaped_like`), ``()`` when row-major. Ranks
     whose slots order a parameter differently (channels_last on one rank only) would reduce
@@ -196,10 +214,18 @@ class GradLayout:
         return slot.view
 
     def cut_views(self, bucket: Bucket) -> None:
+        """Each parameter's gradient slot, as :func:`slot_view` cuts it, set onto the bucket's
+        storage rather than viewed (:func:`alias_of`), at the cost of a view."""
         data, start = bucket.data, bucket.start
+        storage, base, empty = data.untyped_storage(), data.storage_offset(), data.new_empty
         for p, off, record in zip(bucket.params, bucket.offsets, bucket.orders):
-            lo = off - start
-            self.slots[p].view = slot_view(data[lo:lo + p.numel()], p, record)
+            shape, strides = slot_geometry(p, record)
+            slot = empty(0)
+            if strides is None:
+                slot.set_(storage, base + off - start, shape)
+            else:
+                slot.set_(storage, base + off - start, shape, strides)
+            self.slots[p].view = slot
 
     def record_orders(self) -> None:
         """Record each slot's order from its parameter as it is now (Note [slot order fixed at

@@ -57,8 +57,10 @@ def switch_layout(reducer: "Reducer", new, notify: bool = True, final: bool = Tr
         if not old.is_allocated(old.slots[p].bucket):
             continue  # a released bucket reads as zero, as a newly allocated one does
         new.allocate(new.slots[p].bucket)
-        new.grad_view(p).copy_(old.grad_view(p))
-        if p.grad is not None and reducer.config.gradient_as_bucket_view:
+        slot = old.grad_view(p)
+        new.grad_view(p).copy_(slot)
+        grad = p.grad  # the slot follows (a gradient of the user's own stays: Note [gradients the user holds])
+        if grad is not None and reducer.config.gradient_as_bucket_view and grad.data_ptr() == slot.data_ptr():
             p.grad = new.grad_view(p)
     reducer.layout = new
     reducer.layout_final = final

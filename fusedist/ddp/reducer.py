@@ -30,6 +30,7 @@ from .config import DDPConfig
 from .grad_hook import ParamEntry, hooks_last, make_hook, remove_hooks
 from .in_backward import step_in_backward_optimizers, take_in_backward_optimizers
 from .in_flight import finish_bucket, finish_completed, launch_in_order
+from .held_grads import detach_kept_slots, give_back_averages, grad_held_elsewhere
 from .layout import Bucket, GradLayout, build_layout, sparse_gradient_error
 from .prepared import refuse_compiled_autograd
 from .rebucket import rebuild_from_observed, switch_layout
@@ -104,6 +105,9 @@ class Reducer:
         self.generation = 0  # numbers the backwards (the entries' readiness stamps)
         self.synced_generation = 0  # the number of the last synchronized backward
         self.as_view = config.gradient_as_bucket_view
+        # Note [gradients the user holds] (held_grads.py): this backward's gradients held by the
+        # user that stay p.grad under gradient views, given the average after the buckets.
+        self.own_grads: list = []
         for p in params:
             self.ensure_hook(p)
         weakref.finalize(self, remove_hooks, self._hooks)
@@ -222,9 +226,10 @@ class Reducer:
         if p.grad is None:
             return
         view = self.layout.grad_view(p)
-        view.copy_(p.grad)
-        if self.config.gradient_as_bucket_view:
-            p.grad = view
+        grad = p.grad
+        view.copy_(grad)
+        if self.config.gradient_as_bucket_view and not grad_held_elsewhere(grad):
+            p.grad = view  # (one the user holds stays theirs: Note [gradients the user holds])
 
     def use_strategy(self, strategy: GradSyncStrategy) -> None:
         """Choose how buckets are synchronized: all-reduce and average (the default), or a
@@ -383,6 +388,9 @@ class Reducer:
         for bucket in self.layout.buckets:  # Note [division folded into the copy]
             bucket.fold = strategy.fold_factor(self, bucket) if fold and bucket.index not in repeated else None
             bucket.unfolded = []
+        self.own_grads = []
+        if self.as_view:  # Note [gradients the user holds] (held_grads.py)
+            detach_kept_slots(self)
         # A static graph's first backward, which learns it, observes nothing for a hook's buckets:
         # torch's rebuild follows its second (Note [a hook's first buckets] in comm_hook.py).
         observe = not (learning and self.provisional_layout)
@@ -508,6 +516,8 @@ class Reducer:
             elif not shadow:  # an earlier gradient (no_sync, or kept by zero_grad(set_to_none=False))
                 if p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)  # gradient views off: the slot holds the last average, not p.grad
+                    if self.as_view:
+                        self.own_grads.append(p)  # Note [gradients the user holds]
                 if bucket.fold is not None:
                     bucket.unfolded.append(view)  # undivided
             self.pending[bucket.index] -= 1
@@ -529,6 +539,8 @@ class Reducer:
             observer.buckets_launched(self, unused)
         for bucket in self.layout.buckets[self.next_finish:]:
             self._finish_bucket(bucket)
+        if self.own_grads:
+            give_back_averages(self)  # Note [gradients the user holds] (held_grads.py)
         if shadow and not self.config.tolerates_unused:
             self.expose_grads(unused)  # the average of the active ranks' gradients
         changed = []

@@ -1,0 +1,106 @@
+"""Gradient tensors the user holds behave as torch DDP's default gradient tensors.
+
+Note [gradients the user holds]
+    With gradient views (fusedist's default) ``p.grad`` is a slot of its bucket's storage: no
+    copy between the gradient and the bucket, and no second copy of every gradient. torch's DDP
+    defaults to ``gradient_as_bucket_view=False``, where each ``p.grad`` is a tensor of its own.
+    Code written for that default saw plain autograd views of the bucket differ (as torch's
+    own ``True`` still does):
+
+    * a gradient kept across ``zero_grad()`` (a logger's ``g = p.grad``; set to None in between)
+      keeps its values under torch, where the slot it shared was overwritten by the next backward;
+    * one assigned by hand (``p.grad = t`` before the backward) stays ``p.grad`` and receives the
+      average under torch, where the bucket view replaced it;
+    * ``p.grad.detach_()`` raised (a view cannot be detached in place), and ``p.grad._base`` was set.
+
+    A tensor nobody else holds is invisible: it is either ``p.grad`` or gone. So the views stay
+    on the common path and only a held one is treated as torch treats its own:
+
+    * the slots are not autograd views but tensors set onto the bucket's storage
+      (``layout.alias_of``): no ``_base``, ``detach_()`` and ``requires_grad_()`` work;
+    * as a backward begins, a slot tensor held by someone (its reference count above the slot's
+      own) that is no longer ``p.grad`` is moved onto a copy of its values, the slot cut anew
+      (``detach_kept_slots``): the backward's gradient and the bucket's collective write into
+      the new slot, the kept tensor keeps its values (memory for that gradient only, only then);
+    * a gradient the hook finds held by someone besides ``p.grad`` (assigned by hand) stays
+      ``p.grad``: its values go into the slot as before, and once the buckets are averaged the
+      average is copied back into it (``give_back_averages``), as torch's default copies it.
+
+    The counts are measured on this interpreter (``SLOT_IDLE``, ``GRAD_IDLE``), not assumed:
+    CPython's count of a local, and torch's one reference from C++ holders (``p.grad``), are what
+    they compare with. The cost on the common path: a reference count per slot as each backward
+    begins (and a ``p.grad`` read where the slot is still ``p.grad``: no ``zero_grad`` to None),
+    and one per fresh gradient in the hook; about 0.25 us per parameter on a 2-core CPU, 0.6 us
+    with the ``p.grad`` reads.
+    What stays different: a gradient's ``untyped_storage()`` is its bucket's, so ``torch.save`` of
+    a gradient alone writes the whole bucket (as with torch's ``True``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from .layout import alias_of
+
+_refs = sys.getrefcount
+
+
+class _Slot:
+    __slots__ = ("view",)
+
+
+def _slot_idle_count() -> int:
+    """The reference count ``detach_kept_slots`` reads for a slot tensor nobody else holds."""
+    slot = _Slot()
+    slot.view = torch.empty(0)
+    view = slot.view
+    return _refs(view)
+
+
+def _grad_idle_count() -> int:
+    """The reference count the gradient hook reads for a ``p.grad`` only the parameter holds."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    grad = p.grad
+    return _refs(grad)
+
+
+SLOT_IDLE = _slot_idle_count()
+GRAD_IDLE = _grad_idle_count()
+
+
+def grad_held_elsewhere(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` (read as ``grad = p.grad`` by the caller) is held beyond ``p.grad``."""
+    return _refs(grad) > GRAD_IDLE + 1  # (+1: the caller's argument to this function)
+
+
+def detach_kept_slots(reducer) -> None:
+    """As a backward begins: move each slot tensor kept by someone while it is no longer
+    ``p.grad`` onto a copy of its values, and cut its slot anew (Note [gradients the user holds])."""
+    layout = reducer.layout
+    kept = []
+    for p, slot in layout.slots.items():
+        view = slot.view
+        if view is not None and _refs(view) > SLOT_IDLE and p.grad is not view:
+            kept.append((p, slot, view))  # (p.grad, a C++ holder, counts one while it is the slot)
+    if not kept:
+        return
+    with torch.no_grad():
+        for _, slot, view in kept:
+            slot.view = alias_of(view)  # the slot, a new tensor on the bucket's memory
+            view.set_(view.clone())  # the holder's tensor, now on memory of its own
+
+
+def give_back_averages(reducer) -> None:
+    """After the buckets are averaged: copy each averaged slot into the gradient the user held
+    (``reducer.own_grads``), which stays ``p.grad`` (Note [gradients the user holds])."""
+    layout = reducer.layout
+    for p in reducer.own_grads:
+        slot = layout.slots.get(p)
+        grad = p.grad
+        if slot is None or slot.view is None or grad is None or grad.data_ptr() == slot.view.data_ptr():
+            continue
+        grad.copy_(slot.view)
+    reducer.own_grads = []

@@ -93,6 +93,42 @@ def test_fx_traced_model_still_synchronizes_in_training(launched):
     assert max(worst) < 1e-5, worst
 
 
+def _applied_twice_worker(rank, world):
+    """A model applying one BatchNorm twice (``nn.Sequential(bn, act, bn)``), converted, against
+    the unconverted model on the global batch: both calls synchronize (Note [a layer held under
+    several names] in fusedist/nn/_convert.py). The worst difference."""
+    from fusedist.nn import SyncBatchNorm
+
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(3, momentum=None)
+    reference = nn.Sequential(nn.Linear(4, 3), bn, nn.Tanh(), bn)
+    model = SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(reference))
+    worst = 0.0
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        xs = [torch.randn(2 + r, 4, generator=gen) for r in range(world)]
+        dys = [torch.randn(2 + r, 3, generator=gen) for r in range(world)]
+        out = model(xs[rank])
+        out.backward(dys[rank])
+        full = reference(torch.cat(xs))
+        full.backward(torch.cat(dys))
+        start = sum(x.shape[0] for x in xs[:rank])
+        worst = max(worst, (out - full[start:start + out.shape[0]]).abs().max().item())
+        for p, q in zip(model.parameters(), reference.parameters()):
+            grad = p.grad.clone()
+            torch.distributed.all_reduce(grad)
+            worst = max(worst, (grad - q.grad).abs().max().item())
+            p.grad = q.grad = None
+    for name, buf in reference.state_dict().items():
+        worst = max(worst, (model.state_dict()[name].double() - buf.double()).abs().max().item())
+    return worst
+
+
+def test_a_batchnorm_applied_twice_synchronizes_both_calls(launched):
+    worst = results_of(launched, "applied twice")
+    assert max(worst) < 1e-5, worst
+
+
 # ----------------------------------------------------------------------------- isinstance
 def _decayed(model: nn.Module) -> list:
     """A detectron2-style weight-decay grouping: no decay for the parameters of norm layers,
@@ -160,8 +196,9 @@ def test_torchs_ddp_refuses_it_on_cpu_as_its_own_and_fusedists_runs_it(launched)
 
 @pytest.fixture(scope="module")
 def launched(request):
-    """Both 2-rank checks in one launch (each builds its own model)."""
+    """The 2-rank checks in one launch (each builds its own model)."""
     return launch_for_selected(request, {
         "test_fx_traced_model_still_synchronizes_in_training": {"traced training": (_traced_training_worker, ())},
         "test_torchs_ddp_refuses_it_on_cpu_as_its_own_and_fusedists_runs_it": {"wrap both": (_wrap_both, ())},
+        "test_a_batchnorm_applied_twice_synchronizes_both_calls": {"applied twice": (_applied_twice_worker, ())},
     }, 2, timeout=240)

@@ -12,9 +12,14 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from . import _outside_group as outside_group
 
 
-def convert_tree(cls, module: torch.nn.Module, process_group, path: str = "") -> torch.nn.Module:
+def convert_tree(cls, module: torch.nn.Module, process_group, path: str = "",
+                 done: dict | None = None) -> torch.nn.Module:
     """``cls.convert_sync_batchnorm(module, process_group)``, ``module`` found at ``path`` in the
-    model being converted."""
+    model being converted; ``done``: the modules converted so far, by id, with what they became
+    (Note [a layer held under several names])."""
+    done = {} if done is None else done
+    if id(module) in done:
+        return done[id(module)][1]
     converted = module
     if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
         # Its num_features is 0 until the first forward: the converted layer would expect
@@ -42,9 +47,22 @@ def convert_tree(cls, module: torch.nn.Module, process_group, path: str = "") ->
         outside_group.remember(converted, path)  # named in its warning: Note [a rank outside the layer's group]
         if hasattr(module, "qconfig"):
             converted.qconfig = module.qconfig
-    for name, child in module.named_children():
-        converted.add_module(name, convert_tree(cls, child, process_group, f"{path}.{name}" if path else name))
+    done[id(module)] = (module, converted)  # (the module itself is kept alive so that its id stays its own)
+    for name, child in list(module._modules.items()):
+        if child is not None:
+            sub = f"{path}.{name}" if path else name
+            converted.add_module(name, convert_tree(cls, child, process_group, sub, done))
     return converted
+
+
+# Note [a layer held under several names]
+#     A model may hold one BatchNorm under several names: applied twice (``nn.Sequential(bn, act,
+#     bn)``, a block reusing its ``self.norm``) or shared by two branches. ``named_children``
+#     yields a module once per parent, so a walk over it (torch's conversion's) replaced the first
+#     name only: the second kept the unsynchronized BatchNorm, normalizing each rank's batch alone
+#     while sharing the weight and running statistics -- the global-batch statistics silently
+#     lost for that call. The walk reads every name, and a module met again becomes the layer it
+#     became the first time, so a shared BatchNorm stays one shared SyncBatchNorm.
 
 
 # Note [converting BatchNorm subclasses]

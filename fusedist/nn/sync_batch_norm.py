@@ -461,5 +461,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         an optimizer built on them stays valid) and the training flag. Returns the new root
         (the module itself unless it is a BatchNorm). A BatchNorm subclass whose own behaviour
         the plain layer drops is converted all the same, as torch converts it, with a warning
-        naming it (Note [converting BatchNorm subclasses])."""
+        naming it (Note [converting BatchNorm subclasses]). A BatchNorm the model holds under
+        several names (applied twice, shared by branches) becomes one SyncBatchNorm under all of
+        them (Note [a layer held under several names] in _convert.py)."""
         return convert_tree(cls, module, process_group)

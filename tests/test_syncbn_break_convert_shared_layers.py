@@ -62,3 +62,22 @@ def test_a_shared_batchnorm_as_the_root_and_inside_itself_is_converted_once():
     assert isinstance(converted, SyncBatchNorm)
     assert converted.extra[0] is converted.extra[1] and isinstance(converted.extra[0], SyncBatchNorm)
     assert not any(type(m) is not SyncBatchNorm for m in converted.modules() if isinstance(m, _BatchNorm))
+
+
+def test_lightnings_revert_turns_every_name_of_a_shared_layer_back_into_the_one_batchnorm():
+    """Trainer(sync_batchnorm=True) reverts the layers at teardown: a shared layer converted into
+    one SyncBatchNorm must become one BatchNorm again under every name, on the same tensors (the
+    revert walked ``named_children`` too and left the second name a SyncBatchNorm)."""
+    from fusedist.integrations.lightning import _FusedistSyncBatchNorm
+
+    plugin = _FusedistSyncBatchNorm()
+    norm = nn.BatchNorm1d(3)
+    model = nn.Sequential(norm, nn.Tanh(), norm, _Reused())
+    converted = plugin.apply(model)
+    weight = converted[0].weight
+    reverted = plugin.revert(converted)
+    kinds = {name: type(m).__name__ for name, m in reverted.named_modules(remove_duplicate=False)
+             if isinstance(m, _BatchNorm)}
+    assert all(not isinstance(m, SyncBatchNorm) for m in reverted.modules()), kinds
+    assert reverted[0] is reverted[2] and reverted[3].norm is reverted[3].norm_again, kinds
+    assert reverted[0].weight is weight

@@ -28,7 +28,10 @@ fusedist reaches outside its own objects in a few places, and each is here:
   ``_abort_process_group``: a destroyed group's communicator is released at once
   (fusedist/comm/group_ends.py), an aborted group's gloo connections close and a whole-process abort is
   left in the store for the peers (one wrapper: Note [one wrapper of torch's abort] in
-  fusedist/comm/aborted_groups.py);
+  fusedist/comm/aborted_groups.py), and an aborted group's communicators remember the abort (Note [a
+  communicator remembers its group's abort] in fusedist/comm/group_ends.py); where the program imported
+  torch.distributed.nn after init_process_group, the same unregister functions also drop a destroyed group
+  from its functions' ``group`` defaults (Note [binding torch.distributed.nn early] in fusedist/distributed.py);
 * torch.distributed's ``barrier``, once a gloo exchange exists: a barrier that fails on a connection a peer
   closed names that peer and why (fusedist/comm/barrier_closed.py);
 * ``atexit`` callbacks, run in reverse order of installation: a checkpoint still being

@@ -38,8 +38,15 @@ import torch.distributed as dist
 # imported by the program (or torch) after the init, before fusedist: there the captured
 # group is torch's behaviour while it lives, and is replaced by None when torch destroys or
 # aborts it (wrapping torch's unregister calls, as Note [when torch forgets a group] in
-# fusedist/comm/group_ends.py does), never later used nor held.
+# fusedist/comm/group_ends.py does), never later used nor held. Those wrappers follow the rule of
+# fusedist's other process-wide hooks: ``_process_hooks.uninstall()`` removes them, and the next
+# communicator lookup puts them back while a default still holds a live group (first dropping one
+# destroyed meanwhile): before, they were installed at import only, so after ``uninstall()`` a
+# destroyed group stayed held by those defaults for good, and was used by their next call.
 _NN_DEFAULTS_KEY = "torch.distributed.nn defaults: forget a destroyed group"
+_NN_UNREGISTERS = ("_unregister_process_group", "_unregister_all_process_groups")
+#: Whether a default of torch.distributed.nn held a group the program's own import captured, at the last look.
+_nn_defaults_followed = False
 
 
 def _bind_nn_defaults() -> None:
@@ -52,12 +59,29 @@ def _bind_nn_defaults() -> None:
 
     if first_import:
         _forget_captured_groups(lambda group: True)
-    elif _forget_captured_groups(_destroyed):  # (one destroyed before this import: dropped now)
-        from ._process_hooks import chain_module_function
+    else:
+        follow_nn_defaults(start=True)
+
+
+def follow_nn_defaults(start: bool = False) -> None:
+    """Where torch.distributed.nn's defaults hold a group the program's import captured, drop any destroyed one
+    and wrap torch's unregister calls to drop the rest at their destroy; once at import (``start``), again at
+    each communicator lookup where ``_process_hooks.uninstall()`` removed the wrappers (Note [binding
+    torch.distributed.nn early]). Costs one flag read where no default held a group."""
+    global _nn_defaults_followed
+    if not (start or _nn_defaults_followed):
+        return
+    from ._process_hooks import chain_module_function, installed
+
+    keys = [f"{_NN_DEFAULTS_KEY}: {name}" for name in _NN_UNREGISTERS]
+    if not start and set(keys) <= set(installed()):
+        return
+    _nn_defaults_followed = _forget_captured_groups(_destroyed) > 0  # (one destroyed meanwhile: dropped now)
+    if _nn_defaults_followed:
         from torch.distributed import distributed_c10d
 
-        for name in ("_unregister_process_group", "_unregister_all_process_groups"):
-            chain_module_function(f"{_NN_DEFAULTS_KEY}: {name}", distributed_c10d, name, _forgetting_after)
+        for key, name in zip(keys, _NN_UNREGISTERS):
+            chain_module_function(key, distributed_c10d, name, _forgetting_after)
 
 
 def _forget_captured_groups(forget) -> int:

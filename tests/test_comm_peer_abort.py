@@ -85,6 +85,7 @@ def _collective(scenario: str, group, rank: int, torch_barrier):
         def run():
             loss.backward()
             return model  # (held to the end: a DDP model dropped before backward does not reduce)
+        run.model = model  # (its forward after the failure: "ddp forward after")
     elif scenario == "store record":
         from fusedist.checkpoint._writer import io_barrier
 
@@ -205,6 +206,8 @@ def _peer_abort(rank, world):
                 measured[scenario] = (time.monotonic() - start, "completed")
             except Exception as exc:  # noqa: BLE001 - the failure under test
                 measured[scenario] = (time.monotonic() - start, str(exc))
+            if scenario == "ddp bucket":  # (Note [a forward after its group was aborted] in fusedist/ddp)
+                measured["ddp forward after"] = _waited(lambda: run.model(torch.ones(2, 4)))
             if scenario == "process exit":
                 for told, handle in in_flight.items():
                     measured[f"gloo all_reduce in flight, {told} told"] = _waited(handle.wait)
@@ -350,3 +353,15 @@ def test_peer_killed_under_torchs_barrier_names_the_peer(measured):
     assert seconds < PROMPT_S, f"rank 0's barrier failed after {seconds:.1f} s: {error}"
     assert ("fusedist: torch.distributed's barrier failed on rank 0 of 2: rank 1 closed the connection and left no "
             "error: its process may have ended") in error, error
+
+
+def test_a_ddp_forward_after_a_peers_abort_failed_a_bucket_is_refused_naming_the_peer(measured):
+    """Note [a forward after its group was aborted] (fusedist/ddp/destroyed_group.py): rank 0's backward failed at
+    once, rank 1 having aborted its groups; its next training forward ran, and only the backward's first bucket
+    was refused. Now the forward is refused, naming rank 1's abort and what to do."""
+    seconds, error = measured["ddp forward after"]
+    assert seconds < PROMPT_S, f"rank 0's forward took {seconds:.1f} s: {error}"
+    assert error.startswith("fusedist.DistributedDataParallel (rank 0 of 2): forward refused: this model's default "
+                            "process group can no longer run collectives: an earlier collective of it failed ("), error
+    assert "rank 1 closed the connection: it aborted its process groups" in error, error
+    assert "Re-create the process group on every rank" in error and "model.module" in error, error

@@ -74,6 +74,7 @@ def _worker(rank, world):
     out["subclass"] = _or_error(_subclasses_copied_as_torchs, rank)
     out["compiled in place"] = _or_error(_copy_of_a_model_compiled_in_place)
     out["destroyed group"] = _or_error(_forwards_after_the_group_was_destroyed)
+    out["aborted group"] = _or_error(_forwards_after_the_group_was_aborted)
     out["inner copies"] = _or_error(_inner_module_copied_under_overlapped_gathers, rank)
     out["buffer futures"] = _or_error(_buffer_hook_futures_waited_where_torch_waits, rank)
     return out
@@ -215,6 +216,31 @@ def _forwards_after_the_group_was_destroyed():
                 found[who, buffers] = "trained"
             except RuntimeError as exc:
                 found[who, buffers] = str(exc)
+    return found
+
+
+def _forwards_after_the_group_was_aborted():
+    """As above, the group aborted (torch.distributed's ``_abort_process_group``) on both ranks instead: torch's
+    DDP trains on (gloo's abort ends nothing); fusedist's forward raises naming the abort."""
+    import fusedist
+    from torch.distributed import distributed_c10d
+
+    found = {}
+    for who, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
+        for buffers in (True, False):
+            group = torch.distributed.new_group([0, 1])
+            model = cls(_net() if buffers else nn.Linear(6, 3), process_group=group)
+            x = torch.randn(8, 6)
+            model(x).sum().backward()
+            distributed_c10d._abort_process_group(group)
+            if not buffers:
+                with torch.no_grad():
+                    found[who, "evaluated"] = torch.equal(model(x), model.module(x))
+            try:
+                model(x).sum()
+                found[who, buffers] = "trained"
+            except RuntimeError as exc:
+                found[who, buffers] = f"{type(exc).__name__}: {exc}"
     return found
 
 
@@ -542,6 +568,23 @@ def test_a_forward_after_the_group_was_destroyed_is_refused_naming_the_group_and
             message = found["fusedist", buffers]
             assert message.startswith(f"fusedist.DistributedDataParallel (rank {rank} of 2): forward refused"), message
             assert "process group was destroyed" in message and "model.module" in message, message
+
+
+def test_a_forward_after_the_group_was_aborted_is_refused_naming_the_abort(copies_launched):
+    """Note [a forward after its group was aborted] (fusedist/ddp/destroyed_group.py): torch's DDP trains on over
+    its aborted gloo group; fusedist's forward ran, and the first collective was refused naming a destroy (the
+    buffers' broadcast, or the backward's first bucket); now the forward is refused naming the abort."""
+    for rank, out in enumerate(copies_launched):
+        found = out["aborted group"]
+        assert not isinstance(found, str), found
+        assert found["torch", True] == found["torch", False] == "trained", found
+        assert found["torch", "evaluated"] is found["fusedist", "evaluated"] is True, found
+        for buffers in (True, False):
+            message = found["fusedist", buffers]
+            assert message.startswith(f"CollectiveError: fusedist.DistributedDataParallel (rank {rank} of 2): forward "
+                                      "refused: this model's process group can no longer run collectives: it was "
+                                      "aborted on this rank (torch.distributed's _abort_process_group)"), message
+            assert "destroyed" not in message.split(";")[0] and "model.module" in message, message
 
 
 def test_a_copy_of_the_inner_module_under_overlapped_gathers_holds_the_final_parameters(copies_launched):

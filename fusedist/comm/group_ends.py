@@ -12,6 +12,15 @@ Note [when torch forgets a group]
     (Note [aborting a group closes its connections] in aborted_groups.py) set free; the next lookup
     or the exit releases those groups, as before. An abort is told from a destroy by
     ``aborted_groups.aborting()`` (Note [one wrapper of torch's abort] in aborted_groups.py).
+
+Note [a communicator remembers its group's abort]
+    Released at the next lookup, an aborted group's communicator read as a destroyed one, and before that as a
+    live one: a DDP forward on it ran, and the first collective was refused naming a destroy that never
+    happened. So an abort marks each communicator whose group it took from torch (``ended_by_abort``: why, for
+    its messages; None while not aborted), an attribute set once here and read by what refuses work on it
+    (Note [a forward after its group was destroyed] in fusedist/ddp/destroyed_group.py): one attribute read,
+    nothing asked of torch per forward. Only communicators built by this process are marked (those
+    ``released_group`` tracks), and only while fusedist's hooks are installed.
 """
 
 from __future__ import annotations
@@ -19,7 +28,8 @@ from __future__ import annotations
 from typing import Callable
 
 from .._process_hooks import chain_module_function, installed
-from . import aborted_groups
+from ..distributed import follow_nn_defaults
+from . import aborted_groups, released_group
 
 _KEYS = ("release a destroyed group: _unregister_process_group",
          "release a destroyed group: _unregister_all_process_groups")
@@ -35,7 +45,10 @@ def watch(on_forgotten: Callable[[bool], None]) -> None:
                 return forget(*args, **kwargs)
             finally:
                 if _KEYS[0] in installed():
-                    _run(on_forgotten, aborted_groups.aborting())
+                    aborted = aborted_groups.aborting()
+                    if aborted:
+                        _run(_mark_aborted, aborted)
+                    _run(on_forgotten, aborted)
         forgotten.__name__ = getattr(forget, "__name__", forgotten.__name__)
         forgotten.__doc__ = getattr(forget, "__doc__", None)
         forgotten.__wrapped__ = forget
@@ -44,6 +57,7 @@ def watch(on_forgotten: Callable[[bool], None]) -> None:
     chain_module_function(_KEYS[0], distributed_c10d, "_unregister_process_group", after)
     chain_module_function(_KEYS[1], distributed_c10d, "_unregister_all_process_groups", after)
     aborted_groups.install()  # (tells an abort from a destroy: Note [one wrapper of torch's abort])
+    follow_nn_defaults()  # (put back after uninstall() as these are: Note [binding torch.distributed.nn early])
 
 
 def _run(on_forgotten: Callable[[bool], None], aborted: bool) -> None:
@@ -52,3 +66,16 @@ def _run(on_forgotten: Callable[[bool], None], aborted: bool) -> None:
         on_forgotten(aborted)
     except Exception:  # noqa: BLE001
         pass
+
+
+#: What an aborted group's communicator says of its end (Note [a communicator remembers its group's abort]).
+ABORTED_HERE = "it was aborted on this rank (torch.distributed's _abort_process_group)"
+
+
+def _mark_aborted(_aborted: bool = True) -> None:
+    """Mark each communicator whose group the abort in progress took from torch (Note [a communicator remembers
+    its group's abort])."""
+    for comm in released_group.unreleased(()):
+        group = getattr(comm, "_group_obj", None)
+        if group is not None and getattr(comm, "ended_by_abort", None) is None and not released_group.is_alive(group):
+            comm.ended_by_abort = ABORTED_HERE

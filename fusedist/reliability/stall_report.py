@@ -16,12 +16,13 @@ compares the ranks' training counters (Note [a rank behind at the check] in ``en
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
 import socket
+import threading
 import time
+import weakref
 from typing import Optional
 
 from ..comm.base import global_note
@@ -70,14 +71,17 @@ def peer_gone(error: BaseException) -> bool:
 
 
 def default_store():
-    """The default process group's store, or None when there is none (never raises)."""
+    """The default process group's store, or None when there is none (never raises); its bounded client is made
+    here (Note [a bound of its own on the store])."""
     try:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        return distributed_c10d._get_default_store()
+        store = distributed_c10d._get_default_store()
+        _bounded(store)  # (its client made now, while the store answers: Note [a bound of its own on the store])
+        return store
     except Exception:  # noqa: BLE001 - a report must never fail because the store is odd
         return None
 
@@ -86,42 +90,64 @@ def _key(group: str, generation: int, rank: int) -> str:
     return f"{KEY_PREFIX}/{group}/{generation}/{rank}"
 
 
-@contextlib.contextmanager
-def _bounded(store, seconds: float):
-    """Make blocking store calls inside the block give up after ``seconds`` (best effort),
-    then give the store its own timeout back.
+# Note [a bound of its own on the store]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The report's store calls must not wait long on a store server that no longer answers (a failure is
+# being reported). They were bounded by shortening the store's own timeout to 5 s while they ran, then
+# giving it back; but the store is the process group's, shared with torch and the program, and a
+# ``checking`` entry is written at every ``check_consistency()`` of healthy training: a ``store.get`` or
+# ``store.wait`` another thread began meanwhile (a checkpoint's barrier, torch's group creation, the
+# program's own) gave up after 5 s instead of its own timeout -- "wait timeout after 5000ms" while the key
+# it waited for came at 5.8 s. So the report's calls go through a client of their own, a clone of the
+# store (same server and keys, its own connection and timeout), made once per store: the store's timeout is
+# never touched. :func:`default_store` makes it while the store answers, so that a report does not open
+# a connection to a server that does not. A store that cannot be cloned, or whose clone is the store
+# itself (a HashStore: in-process, nothing to wait on), is used as it is, unbounded.
+_BOUND_S = 5.0
+_clients_lock = threading.Lock()
+_clients: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # store -> the client of its bounded calls
 
-    Why back: the store is the process group's, shared with torch. A rank that caught the
-    StallError and goes on -- rebuilding its groups in-process (``FUSEDIST_NCCL_WATCHDOG=raise``),
-    or a peer's report read after its own -- used to keep the store at 5 s for good, so the
-    next NCCL communicator's id exchange (a plain ``store.get``) failed when a peer took
-    longer than that to get there."""
+
+def _bounded(store):
+    """The client whose blocking calls on ``store`` give up after ``_BOUND_S`` (or its own shorter timeout),
+    leaving ``store``'s timeout alone (Note [a bound of its own on the store]); ``store`` itself where none
+    can be made."""
     try:
-        previous = store.timeout
-    except Exception:  # noqa: BLE001 - a store without the property: bounded, not restored
-        previous = None
+        with _clients_lock:
+            client = _clients.get(store)
+    except TypeError:  # (not weakly referable: a store of the program's own)
+        return store
+    if client is None:
+        client = _client_of(store)
+        with _clients_lock:
+            client = _clients.setdefault(store, client)
+    return client
+
+
+def _client_of(store):
+    """A clone of ``store`` with the bound for its timeout, or ``store`` itself."""
+    import torch.distributed as dist
+
+    base = getattr(store, "_underlying_non_prefix_store", store)
+    if not isinstance(base, (dist.TCPStore, dist.FileStore)):  # (a HashStore's clone is itself)
+        return store
     try:
-        store.set_timeout(datetime.timedelta(seconds=max(seconds, 0.1)))
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        yield
-    finally:
-        if previous is not None:
-            try:
-                store.set_timeout(previous)
-            except Exception:  # noqa: BLE001
-                pass
+        client = store.clone()
+        own = store.timeout
+        client.set_timeout(min(own, datetime.timedelta(seconds=_BOUND_S)) if own.total_seconds() > 0
+                           else datetime.timedelta(seconds=_BOUND_S))
+        return client
+    except Exception:  # noqa: BLE001 - unbounded, as a store without a clone
+        return store
 
 
 def publish(store, group: str, generation: int, rank: int, entry: dict, bounded: bool = True) -> bool:
-    """Write this rank's entry; False if the store is unreachable. ``bounded=False`` leaves the
-    store's timeout alone (a write while training may be healthy: the divergence probe's)."""
+    """Write this rank's entry; False if the store is unreachable. ``bounded``: through the store's bounded
+    client (Note [a bound of its own on the store]); ``False``: through the store itself."""
     entry = dict(entry, rank=rank, host=socket.gethostname(), pid=os.getpid(), time=time.time(),
                  global_rank=_global_rank())
     try:
-        with _bounded(store, 5.0) if bounded else contextlib.nullcontext():
-            store.set(_key(group, generation, rank), json.dumps(entry, default=str))
+        (_bounded(store) if bounded else store).set(_key(group, generation, rank), json.dumps(entry, default=str))
         return True
     except Exception:  # noqa: BLE001
         return False
@@ -131,8 +157,7 @@ def withdraw(store, group: str, generation: int, rank: int, bounded: bool = True
     """Remove this rank's entry (a ``checking`` one whose check completed, a ``waiting`` one whose
     wait ended); never raises."""
     try:
-        with _bounded(store, 5.0) if bounded else contextlib.nullcontext():
-            store.delete_key(_key(group, generation, rank))
+        (_bounded(store) if bounded else store).delete_key(_key(group, generation, rank))
     except Exception:  # noqa: BLE001
         pass
 
@@ -145,18 +170,15 @@ def count_crash(store, group: str, generation: int) -> None:
     """Bump the group's crash counter: what survivors poll (one call) instead of every entry
     (Note [a crashed peer, seen through the store] in comm/watchdog.py)."""
     try:
-        with _bounded(store, 5.0):
-            store.add(_crash_count_key(group, generation), 1)
+        _bounded(store).add(_crash_count_key(group, generation), 1)
     except Exception:  # noqa: BLE001
         pass
 
 
 def crashed_peer(store, group: str, generation: int, rank: int, world_size: int) -> Optional[str]:
     """Which other rank of the group published a crash, as a phrase for an error (None: none
-    did, or the store cannot say). One store call while none has. It runs while training may
-    still be healthy, so it leaves the store's timeout alone (``_bounded`` would shorten it for
-    every later user of the store, torch's group creation included); none of its calls waits
-    for a key."""
+    did, or the store cannot say). One store call while none has, through the store itself; none of
+    its calls waits for a key."""
     try:
         if int(store.add(_crash_count_key(group, generation), 0)) == 0:
             return None
@@ -212,20 +234,20 @@ def collect(store, group: str, generation: int, ranks: list[int], window_s: floa
     """Poll for the entries of ``ranks`` until all are there or ``window_s`` has passed."""
     found: dict[int, dict] = {}
     deadline = time.monotonic() + window_s
-    with _bounded(store, 5.0):
-        while True:
-            for rank in ranks:
-                if rank in found:
-                    continue
-                try:
-                    entry = _read(store, _key(group, generation, rank))
-                    if entry is not None:
-                        found[rank] = entry
-                except Exception:  # noqa: BLE001 - an unreachable store ends the wait
-                    return found
-            if len(found) == len(ranks) or time.monotonic() >= deadline:
+    client = _bounded(store)
+    while True:
+        for rank in ranks:
+            if rank in found:
+                continue
+            try:
+                entry = _read(client, _key(group, generation, rank))
+                if entry is not None:
+                    found[rank] = entry
+            except Exception:  # noqa: BLE001 - an unreachable store ends the wait
                 return found
-            time.sleep(0.05)
+        if len(found) == len(ranks) or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.05)
 
 
 def _describe_op(entry: dict) -> str:

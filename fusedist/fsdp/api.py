@@ -20,7 +20,7 @@ from .held_alike import share_tensor_parallel_holder
 from .holder import holder_for
 from .memory import memory_stats as _memory_stats
 from .post_forward import resolve_reshard_after_forward
-from .policy import MixedPrecisionPolicy, OffloadPolicy, as_offload_policy
+from .policy import MixedPrecisionPolicy, OffloadPolicy, as_mixed_precision_policy, as_offload_policy
 from .extension import extension_specs, put_stand_ins, take_stand_ins
 from .dtensor_view import record_mesh
 from .mesh import groups_of, shard_mesh_of
@@ -103,6 +103,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     for m in modules:
         dims_of.update(check_params(m, ignored, shard_placement_fn, taken=Held()))
     offload_policy = as_offload_policy(offload_policy)
+    mp_policy = as_mixed_precision_policy(mp_policy)
     groups = groups_of(mesh, process_group)
     device = groups.device
     comm = get_communicator(groups.shard, device)
@@ -111,7 +112,6 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
     # an int: Note [resharding to a smaller group after forward] in post_forward.py
     reshard_after_forward, post_forward = resolve_reshard_after_forward(reshard_after_forward, comm, groups.shard,
                                                                         device)
-    mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
 
     params, regs, fqns, borrowed = take_params(module, modules, ignored)
     for owner, idx, (sub, attr), _ in borrowed:

@@ -63,5 +63,40 @@ def as_offload_policy(policy) -> Optional[OffloadPolicy]:
         return CPUOffloadPolicy(pin_memory=bool(policy.pin_memory))
     if torch_base is not None and type(policy) is torch_base:
         return OffloadPolicy()
+    hint = ""
+    if hasattr(policy, "offload_params"):  # FSDP1's CPUOffload, which torch's fully_shard silently ignores
+        hint = (f"; this is FSDP1's CPUOffload: pass CPUOffloadPolicy() to offload "
+                f"(offload_params={policy.offload_params!r} here), or nothing to keep the shards on the device")
     raise TypeError(f"fusedist.fully_shard: offload_policy must be an OffloadPolicy or CPUOffloadPolicy, "
-                    f"got {type(policy).__name__}")
+                    f"got {type(policy).__name__}{hint}")
+
+
+_DTYPE_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype")
+
+
+def as_mixed_precision_policy(policy):
+    """``policy`` checked at ``fully_shard``: torch FSDP2's ``MixedPrecisionPolicy`` or fusedist's
+    (or an object with their four fields), each dtype None or a ``torch.dtype``. Anything else
+    used to fail deep inside the first forward -- FSDP1's ``MixedPrecision`` (no ``output_dtype``,
+    inputs not cast by default) as a matmul dtype mismatch, a dtype given as text ("bfloat16"
+    from a config file) as a failed cast -- naming neither the argument nor what to pass."""
+    if policy is None:
+        return MixedPrecisionPolicy()
+    fields = _DTYPE_FIELDS + ("cast_forward_inputs",)
+    missing = [f for f in fields if not hasattr(policy, f)]
+    if missing:
+        hint = ""
+        if hasattr(policy, "buffer_dtype") or hasattr(policy, "keep_low_precision_grads"):
+            hint = (" This is FSDP1's MixedPrecision; FSDP2's fully_shard takes MixedPrecisionPolicy(param_dtype=..., "
+                    "reduce_dtype=...) (buffers are not cast: convert them with module.to() before sharding).")
+        raise TypeError(f"fusedist.fully_shard: mp_policy must be a MixedPrecisionPolicy, got "
+                        f"{type(policy).__name__} (it has no {', '.join(missing)}).{hint}")
+    for field in _DTYPE_FIELDS:
+        value = getattr(policy, field)
+        if value is not None and not isinstance(value, torch.dtype):
+            raise TypeError(f"fusedist.fully_shard: mp_policy.{field} must be a torch.dtype or None, got "
+                            f"{type(value).__name__} {value!r}; pass e.g. torch.bfloat16, not its name")
+    if not isinstance(policy.cast_forward_inputs, bool):
+        raise TypeError(f"fusedist.fully_shard: mp_policy.cast_forward_inputs must be a bool, got "
+                        f"{type(policy.cast_forward_inputs).__name__} {policy.cast_forward_inputs!r}")
+    return policy

@@ -97,6 +97,14 @@ class PostForwardGroup:
 _GROUPS: dict = {}
 
 
+def _meaning_of_factors(size: int) -> str:
+    """What the ends of the factor range mean; a one-rank shard group (HSDP with one shard per
+    replica) has a single factor, which keeps the parameters whole."""
+    if size == 1:
+        return "a shard group of one rank has the single factor 1, which keeps the parameters whole, as False"
+    return f"k = {size} is True, k = 1 is False"
+
+
 def resolve_reshard_after_forward(value, shard_comm, shard_group, device, *, who: str = "fully_shard"):
     """``(flag, group)`` for a ``reshard_after_forward`` value (Note [resharding to a smaller
     group after forward]): ``flag`` None/True/False as the unit's, ``group`` the
@@ -112,7 +120,7 @@ def resolve_reshard_after_forward(value, shard_comm, shard_group, device, *, who
         raise ValueError(
             f"fusedist.{who}: if passing reshard_after_forward as an int, it should be a factor of the shard "
             f"group's size {size}, not {value} (an int k reshards each unit after forward to groups of k ranks; "
-            f"k = {size} is True, k = 1 is False)")
+            f"{_meaning_of_factors(size)})")
     if value == 1:
         warnings.warn("reshard_after_forward=1 (int) means resharding parameters to world size 1, i.e. keeping "
                       "them whole after forward, as reshard_after_forward=False; pass True (a bool) to reshard "

@@ -42,7 +42,10 @@ Note [uneven micro-batches on one rank]
     refuses, in a step with backward, a micro-batch whose inputs differ in shape from the
     step's micro-batch 0 (a forward-only step computes no gradient and is left alone). It can
     only see one micro-batch at a time, so the micro-batches before it have run: the next step
-    drops what they left (Note [a step that raised] in _pipeline_step_failures.py).
+    drops what they left (Note [a step that raised] in _pipeline_step_failures.py). A schedule
+    built with ``scale_grads=False`` divides nothing: with a loss that sums (what torch's schedules
+    document for it) the micro-batches' gradients add up to the batch's, evenly split or not, so
+    its steps are not refused (they were, though torch's stage gives the batch's gradient there).
 
 Note [a shape inference that fails on one rank]
     torch's shape inference passes each stage's output metadata to the next stage's rank
@@ -524,6 +527,7 @@ def check_even_split(stage, chunk: int, args) -> None:
             "equal micro-batches. torch's schedules divide the micro-batches' summed gradients by n_microbatches, "
             "weighting every micro-batch's loss alike, so with a mean loss the rows of the smaller micro-batches "
             "would count more than the others' and the gradient would not be the batch's. Give each step a batch "
-            f"divisible by n_microbatches ({stage.chunks}) (with a DataLoader: drop_last=True). The micro-batches "
-            "before this one have run: the next step drops their losses and puts the gradients back as this step "
-            "found them (a stage module that fusedist or torch reduces, once backpropagated, refuses the next step)")
+            f"divisible by n_microbatches ({stage.chunks}) (with a DataLoader: drop_last=True), or, with a loss that "
+            "sums, build the schedule with scale_grads=False. The micro-batches before this one have run: the next "
+            "step drops their losses and puts the gradients back as this step found them (a stage module that "
+            "fusedist or torch reduces, once backpropagated, refuses the next step)")

@@ -125,6 +125,7 @@ from ._pipeline_notice_back import (
     PeerFailedFirstSendAfter, arm_back, back_recv_ops, back_send_ops, guard_first_loss, read_back_notice,
     tell_upstream)
 from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain_weight_pass, _weight_pass, _weights
+from ._pipeline_placement import check_placement
 from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, last_schedule, schedule_stepping
 from ._pipeline_schedule_step import wrap_step
 from ._pipeline_set_aside import _divided, _give_back, _holders_outside_grad, _SetAside
@@ -161,7 +162,8 @@ class PipelineStage(_TorchPipelineStage):
     _pipeline_notice_back.py), fails every rank at once after a failure anywhere in a step (Note [a failure
     told at the step's end] in _pipeline_step_status.py), and every data-parallel peer too (Note [a first-step
     failure told to the data-parallel peers] there), refuses schedules of different micro-batch counts on
-    every rank at once (Note [micro-batch counts that differ across ranks] in _pipeline_vote.py),
+    every rank at once (Note [micro-batch counts that differ across ranks] in _pipeline_vote.py), and stage counts
+    or placements that differ (Note [stage counts that differ across ranks] in _pipeline_placement.py),
     and weights whose paths go around the inputs' (Note [weight paths around the inputs] in _pipeline_passes.py);
     torch's shape inference leaves its buffers as they were (Note [shape inference leaves the stage
     as it was] in _pipeline_inference.py)."""
@@ -204,6 +206,15 @@ class PipelineStage(_TorchPipelineStage):
         super()._send_meta(meta, dst_stage)
 
     def _warmup_forward_vote(self, has_backward: bool, received_acc=None):
+        if received_acc is None:  # this rank's first stage in the set-up's vote
+            schedule = schedule_stepping(self)
+            found = (getattr(schedule, "_stage", None), *getattr(schedule, "_stages", ()))
+            stages = [s for s in found if s is not None]
+            try:  # Note [stage counts that differ across ranks] (_pipeline_placement.py)
+                check_placement(self, stages or [self])
+            except RuntimeError:
+                self._told()
+                raise
         return forward_vote(self, has_backward, received_acc)  # Note [micro-batch counts that differ across ranks]
 
     def _warmup_backward_result(self, received_result=None):
@@ -295,8 +306,8 @@ class PipelineStage(_TorchPipelineStage):
         meta = getattr(self, "_stage_meta", None)
         if meta is not None and self.is_first and self.group_size > 1:
             check_shapes(self, fwd_chunk_id, "input", meta.inputs, args)
-        elif self.is_first and self.has_backward:  # Note [uneven micro-batches on one rank] (or no buffer metadata)
-            check_even_split(self, fwd_chunk_id, args)
+        elif self.is_first and self.has_backward and _divides_the_sum(self):
+            check_even_split(self, fwd_chunk_id, args)  # Note [uneven micro-batches on one rank] (or no metadata)
         output = super().forward_one_chunk(fwd_chunk_id, args, *rest, **kwargs)
         if meta is not None and not self.is_last and next_on_another_rank(self):
             check_sent_outputs(self, fwd_chunk_id, output)
@@ -416,6 +427,15 @@ def stage_holders_outside_grad() -> list:
         for holder in _holders_outside_grad(stage.submod):
             found.setdefault(id(holder), holder)
     return list(found.values())
+
+
+def _divides_the_sum(stage) -> bool:
+    """The schedule stepping the stage divides the micro-batches' summed gradients by their count
+    (``scale_grads=True``, torch's default; assumed when the stage is driven by hand). Under
+    ``scale_grads=False`` (a loss that sums, as torch's schedules document) an uneven split gives the
+    batch's gradient, and is not refused (Note [uneven micro-batches on one rank])."""
+    schedule = last_schedule(stage)
+    return schedule is None or getattr(schedule, "scale_grads", True) is not False
 
 
 def _weights_miss_the_inputs(module, input_values) -> bool:

@@ -266,6 +266,50 @@ def test_schedules_with_different_micro_batch_counts_fail_every_rank_at_once(sch
     assert len({raised for raised, _, _ in results}) == 1, results
 
 
+def _stage_counts_worker(rank, world, seed, schedule_name, wrong):
+    """The last rank builds its stage with ``num_stages`` one more than the others (``wrong`` "count") or as
+    stage 1, which rank 1 holds (``wrong`` "index"): what each rank raised and in how many seconds; then
+    stages built right: their gradients' largest difference from the unpipelined model's."""
+    from torch.distributed import pipelining
+
+    from fusedist.pipelining import PipelineStage
+
+    torch.manual_seed(seed)
+    whole = nn.Sequential(*[_Stage() for _ in range(world)])
+    part = copy.deepcopy(whole[rank])
+    last = rank == world - 1
+    index, count = (1 if last and wrong == "index" else rank), (world + 1 if last and wrong == "count" else world)
+    schedule = getattr(pipelining, schedule_name)(
+        PipelineStage(part, index, count, torch.device("cpu")), n_microbatches=MICRO_BATCHES, loss_fn=_mse)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+    began = time.monotonic()
+    raised = _refused(lambda: _step(schedule, rank, world, x, y))
+    seconds = time.monotonic() - began
+    _, schedule = _pipeline(rank, world, part, schedule_name, MICRO_BATCHES, False)
+    _step(schedule, rank, world, x, y)
+    _mse(whole(x), y).backward()
+    return raised, seconds, max(float((p.grad - q.grad).abs().max())
+                                for p, q in zip(part.parameters(), whole[rank].parameters()))
+
+
+@pytest.mark.parametrize("schedule_name,wrong", [("ScheduleGPipe", "count"), ("Schedule1F1B", "index")])
+def test_stage_counts_or_indices_that_differ_across_ranks_fail_every_rank_at_once(schedule_name, wrong, launched):
+    """Note [stage counts that differ across ranks]: a rank built with another num_stages, or holding a stage
+    index another rank holds, made the ranks wait on each other until the group's timeout (torch's stage too).
+    Every rank raises the same message within 5 s (the group's timeout is 30 s), naming each rank's count and
+    stages; stages built right then give the unpipelined model's gradients (fp32: 1e-6)."""
+    results = results_of(launched, f"stage counts {schedule_name} {wrong}")
+    last = 4 if wrong == "count" else 3
+    stages = [0, 1, 1] if wrong == "index" else [0, 1, 2]
+    for rank, (raised, seconds, diff) in enumerate(results):
+        assert raised is not None and "the pipeline's stages do not agree" in raised, (rank, raised)
+        assert f"rank 2: num_stages={last}, stages [{stages[2]}]" in raised, (rank, raised)
+        assert "rank 0: num_stages=3, stages [0]; rank 1: num_stages=3, stages [1]" in raised, (rank, raised)
+        assert seconds < 5 and diff < 1e-6, (launched["seed"], rank, seconds, diff)
+    assert len({raised for raised, _, _ in results}) == 1, results
+
+
 @pytest.fixture(scope="module")
 def launched(request):
     seed = int(torch.randint(0, 10_000, ()).item())
@@ -273,6 +317,9 @@ def launched(request):
         "test_schedules_with_different_micro_batch_counts_fail_every_rank_at_once": {
             f"counts {name} {static}": (_counts_worker, (seed, name, static))
             for name, static in (("ScheduleGPipe", False), ("Schedule1F1B", True))},
+        "test_stage_counts_or_indices_that_differ_across_ranks_fail_every_rank_at_once": {
+            f"stage counts {name} {wrong}": (_stage_counts_worker, (seed, name, wrong))
+            for name, wrong in (("ScheduleGPipe", "count"), ("Schedule1F1B", "index"))},
         "test_a_failed_first_forward_fails_the_ranks_before_it_at_once": {
             f"upstream {name} {bad}": (_told_upstream_worker, (seed, name, bad))
             for name, bad in (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("Schedule1F1B", 2), ("ScheduleGPipe", 2),

@@ -1693,6 +1693,54 @@ def test_uneven_micro_batches_on_one_rank_are_refused(launched2):
         assert after < 1e-6, (seed, rank, after)
 
 
+def _one_rank_summed_loss_worker(rank, world_size, seed):
+    """Each rank a pipeline of its own (2 stages, interleaved 1F1B, a one-rank group, ``scale_grads=False``,
+    a loss that sums): a batch of 10 rows (micro-batches of 3, 3, 2, 2) through torch's stages and through
+    fusedist's. Returns, per stage class, the largest gradient difference from the unpipelined model's on
+    the batch relative to its largest gradient, or the message of a refusal."""
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+
+    from fusedist.pipelining import PipelineStage
+
+    group = [torch.distributed.new_group([r]) for r in range(world_size)][rank]
+    g = torch.Generator().manual_seed(seed + rank)
+    x, y = torch.randn(10, WIDTH, generator=g), torch.randn(10, WIDTH, generator=g)
+
+    def build():
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh())
+
+    def summed(out, target):
+        return (out - target).square().sum()
+
+    whole = build()
+    summed(whole(x), y).backward()
+    largest = max(float(q.grad.abs().max()) for q in whole.parameters())
+    out = {}
+    for name, cls in (("torch", TorchStage), ("fusedist", PipelineStage)):
+        model = build()
+        stages = [cls(model[2 * i:2 * i + 2], i, 2, torch.device("cpu"), group=group) for i in range(2)]
+        schedule = pipelining.ScheduleInterleaved1F1B(
+            stages, n_microbatches=MICRO_BATCHES, loss_fn=summed, scale_grads=False)
+        refused = _refused(lambda: schedule.step(x, target=y))
+        out[name] = refused if refused is not None else max(
+            float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), whole.parameters())) / largest
+    return out
+
+
+def test_uneven_micro_batches_of_a_summed_loss_on_one_rank_give_the_batchs_gradient(launched2):
+    """Note [uneven micro-batches on one rank]: a schedule built with ``scale_grads=False`` divides
+    nothing, so with a loss that sums (as torch's schedules document for it) micro-batches of 3, 3, 2
+    and 2 rows add up to the batch's gradient: torch's stage gives it, and fusedist's did not run the
+    step (it refused the uneven split as for a mean loss). fp32, the same terms summed in another
+    order: 1e-6 of the largest gradient."""
+    seed = launched2["seed"]
+    for rank, out in enumerate(results_of(launched2, "summed loss on one rank")):
+        assert isinstance(out["torch"], float) and out["torch"] < 1e-6, (seed, rank, out)
+        assert isinstance(out["fusedist"], float) and out["fusedist"] < 1e-6, (seed, rank, out)
+
+
 # ----------------------------------------------------------------------------- shared spawns
 # One spawn per world size runs the scenarios of the tests selected (a 4-rank spawn costs
 # ~8 s of starting ranks), each with a fresh dynamo (compiled blocks recompile as in a spawn
@@ -1758,6 +1806,8 @@ def launched2(request):
             f"uneven {name}": (_uneven_worker, seed, name) for name in ("ScheduleGPipe", "Schedule1F1B")},
         "test_uneven_micro_batches_on_one_rank_are_refused": {
             "uneven on one rank": (_one_rank_uneven_worker, seed)},
+        "test_uneven_micro_batches_of_a_summed_loss_on_one_rank_give_the_batchs_gradient": {
+            "summed loss on one rank": (_one_rank_summed_loss_worker, seed)},
         "test_an_uneven_first_step_is_refused_by_the_first_stage_naming_the_micro_batch": {
             "uneven first step": (_uneven_first_step_worker, seed)},
         "test_a_one_rank_pipelines_failure_fails_its_data_parallel_peers_promptly": {  # (last: it fails a step)

@@ -50,3 +50,20 @@ def requires_rank_slots(n: int = 2):
         slots < n,
         reason=f"needs room for {n} ranks: {n} CUDA devices, or ranks sharing a GPU through "
                f"{RANKS_PER_GPU_ENV} (found {count} CUDA device(s), room for {slots} rank(s))")
+
+
+@pytest.fixture(scope="module")
+def tp_mesh(request):
+    """A 1-D mesh of the test module's ``TP`` ranks in this process, this process rank 0 (torch's
+    fake process group): tensor-parallel placements measured without launching ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    size = request.module.TP
+    assert not dist.is_initialized(), "a process group is already up in this process"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()

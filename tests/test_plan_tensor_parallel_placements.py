@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
@@ -26,19 +24,6 @@ from fusedist.plan.torch_model import Transformer
 
 TP = 2
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-
-
-@pytest.fixture(scope="module")
-def tp_mesh():
-    """A 1-D mesh of ``TP`` ranks in this process, this process rank 0 (torch's fake process group)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    assert not dist.is_initialized(), "a process group is already up in this process"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
-    try:
-        yield init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -11,36 +11,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
 from fusedist.plan import ModelSpec, activation_bytes
 from fusedist.plan.model import block_whole_bytes
 from fusedist.plan.torch_model import Transformer
+from test_plan_tensor_parallel_placements import _local
 
 TP = 2
 B, S = 2, 8
-
-
-@pytest.fixture(scope="module")
-def tp_mesh():
-    """A 1-D mesh of ``TP`` ranks in this process, this process rank 0 (torch's fake process group)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    assert not dist.is_initialized(), "a process group is already up in this process"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
-    try:
-        yield init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
-    finally:
-        dist.destroy_process_group()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _saved_bytes(module, x: torch.Tensor) -> int:

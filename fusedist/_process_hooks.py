@@ -32,6 +32,8 @@ fusedist reaches outside its own objects in a few places, and each is here:
   communicator remembers its group's abort] in fusedist/comm/group_ends.py); where the program imported
   torch.distributed.nn after init_process_group, the same unregister functions also drop a destroyed group
   from its functions' ``group`` defaults (Note [binding torch.distributed.nn early] in fusedist/distributed.py);
+* torch.distributed's ``destroy_process_group`` (both names), once a checkpoint writer exists: a
+  ``Checkpointer`` save still in flight is finished first (fusedist/checkpoint/_destroy_waits.py);
 * torch.distributed's ``barrier``, once a gloo exchange exists: a barrier that fails on a connection a peer
   closed names that peer and why (fusedist/comm/barrier_closed.py);
 * ``atexit`` callbacks, run in reverse order of installation: a checkpoint still being

@@ -7,9 +7,10 @@ group: collectives on one group must be issued in the same order by every rank, 
 background thread's exchanges would interleave unpredictably with DDP's.
 
 A save that fails records its error, raised in the training thread at the next
-``wait()``. At interpreter exit an unfinished save is waited for (so a normal end never
-loses the last checkpoint); a process killed mid-save leaves a directory without a manifest,
-which the next start skips.
+``wait()``. At interpreter exit, and when ``destroy_process_group()`` is called, an unfinished
+save is waited for (so a normal end never loses the last checkpoint: Note [a destroy waits for
+the save in flight] in ``_destroy_waits.py``); a process killed mid-save leaves a directory
+without a manifest, which the next start skips.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..comm import aborted_groups, get_communicator
 from ..comm.objects import all_gather_object, broadcast_object
 from ..distributed import collective_timeout
 from .._process_hooks import at_exit
+from . import _destroy_waits
 
 
 class Coordinator:
@@ -471,6 +473,7 @@ class BackgroundWriter:
         self.started = self.finished = 0.0
         _live.add(self)
         at_exit("finish checkpoint writes", _finish_at_exit)  # fusedist/_process_hooks.py
+        _destroy_waits.install(_join_live)  # Note [a destroy waits for the save in flight]
 
     @property
     def busy(self) -> bool:
@@ -493,6 +496,12 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=run, name=self.name, daemon=True)
         self._thread.start()
 
+    def join(self) -> None:
+        """Block until the job in flight (if any) is done, keeping its error for :meth:`wait`."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
     def wait(self) -> None:
         """Block until the job in flight (if any) is done; raise its error, once."""
         if self._thread is not None:
@@ -504,6 +513,12 @@ class BackgroundWriter:
 
 
 _live: "weakref.WeakSet[BackgroundWriter]" = weakref.WeakSet()
+
+
+def _join_live() -> None:
+    """Let every save in flight of this process end (Note [a destroy waits for the save in flight])."""
+    for writer in list(_live):
+        writer.join()
 
 
 def _finish_at_exit() -> None:

@@ -5,7 +5,10 @@ seed is in every assertion message).
 * One spawn at 3 ranks (odd: padded shards) runs the training checks: the constructor forms
   torch users write (``optimizer_class=`` with param-group dicts of their own lr / weight decay /
   betas, ``parameters_as_bucket_view``) over SGD with Nesterov momentum, Adam with amsgrad,
-  RMSprop and Adagrad, LR schedulers editing ``param_groups`` (OneCycleLR, ReduceLROnPlateau),
+  RMSprop, Adagrad and an optimizer that writes its groups in ``step()`` (its own lr decay,
+  restarted from the constructor's value at every step; torch copies the groups back) and keeps
+  a string in its state (consolidating it on the last rank raised a TypeError there), LR
+  schedulers editing ``param_groups`` (OneCycleLR, ReduceLROnPlateau),
   ``step(closure)``, ``add_param_group`` mid-training, ``no_sync`` accumulation, state dicts
   traded with torch's ZeroRedundancyOptimizer both ways (``optimizer_class`` given as a
   ``functools.partial``: consolidation failed on it; a zero-element parameter's state in
@@ -74,6 +77,29 @@ class Net(nn.Module):
         return self.c(h) + self.empty.sum()
 
 
+class _SelfDecayingSGD(torch.optim.Optimizer):
+    """An elementwise optimizer that writes its param groups in ``step()`` (its own lr decay, as
+    D-Adaptation's ``d`` or a schedule-free optimizer's sums), with a per-parameter state of its
+    own, a string among it: torch's ZeroRedundancyOptimizer copies the groups back after every
+    step, and its state dict carries any value."""
+
+    _fusedist_elementwise = True
+
+    def __init__(self, params, lr=0.1, decay=0.8):
+        super().__init__(params, dict(lr=lr, decay=decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["rule"] = "peak-normalized"
+                    peak = self.state[p].setdefault("peak", torch.zeros_like(p))
+                    torch.maximum(peak, p.grad.abs(), out=peak)
+                    p.add_(p.grad / (1.0 + peak), alpha=-group["lr"])
+            group["lr"] *= group["decay"]
+
+
 def _net(seed):
     torch.manual_seed(seed)
     return Net()
@@ -133,6 +159,33 @@ def _train(model, opt, seed, rank, ws, steps, *, first=0, sched=None, closure=Fa
     return loss
 
 
+def consolidated_state_differences(failures, what, opt, ref_opt, rank, ws):
+    """Consolidate both optimizers on the last rank; there, append to ``failures`` how fusedist's
+    full state dict differs from torch's."""
+    ref_opt.consolidate_state_dict(to=ws - 1)
+    try:
+        opt.consolidate_state_dict(to=ws - 1)
+    except Exception as exc:  # noqa: BLE001 - the test reports it (the collective ended on every rank)
+        failures.append(f"{what} consolidate_state_dict: {type(exc).__name__}: {exc}")
+        return
+    if rank != ws - 1:
+        return
+    mine, theirs = opt.state_dict(), ref_opt.state_dict()
+    if mine["param_groups"] != theirs["param_groups"]:
+        failures.append(f"{what} consolidated param_groups: fusedist {mine['param_groups']}, "
+                        f"torch {theirs['param_groups']}")
+    for index, want in theirs["state"].items():
+        got = mine["state"].get(index, {})
+        if sorted(got) != sorted(want):
+            failures.append(f"{what} consolidated state {index}: keys {sorted(got)}, torch {sorted(want)}")
+            continue
+        for key, value in want.items():
+            same = (torch.allclose(got[key], value, rtol=0, atol=TOL) if isinstance(value, torch.Tensor)
+                    else got[key] == value)
+            if not same:
+                failures.append(f"{what} consolidated state {index} {key!r}: {got[key]!r}, torch {value!r}")
+
+
 def _training_worker(rank, ws, seed):
     import fusedist
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
@@ -167,6 +220,7 @@ def _training_worker(rank, ws, seed):
         (torch.optim.Adam, dict(lr=0.01, amsgrad=True, eps=EPS), True),
         (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5, centered=True, eps=EPS), False),
         (torch.optim.Adagrad, dict(lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1), False),
+        (_SelfDecayingSGD, dict(lr=0.05), False),  # (its lr was reset to 0.05 before every step)
     ]
     for cls, kw, betas in classes:
         ref, ref_opt = torch_run(lambda m: TorchZeRO(_groups(m, betas), optimizer_class=cls, **kw), 4)
@@ -186,6 +240,12 @@ def _training_worker(rank, ws, seed):
                             for o in (opt, ref_opt))
             if mine != theirs:
                 failures.append(f"{cls.__name__} stage {stage} optim.param_groups: fusedist {mine}, torch {theirs}")
+            mine, theirs = ([{k: v for k, v in g.items() if k != "params"} for g in o.param_groups]
+                            for o in (opt, ref_opt))
+            if mine != theirs:
+                failures.append(f"{cls.__name__} stage {stage} param_groups: fusedist {mine}, torch {theirs}")
+            if cls is _SelfDecayingSGD:  # consolidated on the last rank (its string state failed there)
+                consolidated_state_differences(failures, f"{cls.__name__} stage {stage}", opt, ref_opt, rank, ws)
 
     adamw = dict(lr=0.01, weight_decay=0.1, eps=EPS)
     # torch's ``optim`` read before the first step, which makes it here: training is unchanged.

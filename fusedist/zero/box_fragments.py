@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from .state import StateDictError
+from .state import StateDictError, same_scalar_state
 
 
 def is_box(fragment: dict) -> bool:
@@ -129,7 +129,7 @@ def assemble_boxes(frags: list, shape: tuple, which: str, *, source: str) -> dic
             state[key] = _place([f["state"][key] for f in frags], shape, regions, f"state '{key}'", which, source)
             continue
         for f in frags[1:]:
-            if not torch.equal(torch.as_tensor(f["state"][key]), torch.as_tensor(first)):
+            if not same_scalar_state(first, f["state"][key]):
                 raise StateDictError(f"{source}: scalar state '{key}' of {which} differs across shards "
                                      f"({first!r} vs {f['state'][key]!r})")
         state[key] = first

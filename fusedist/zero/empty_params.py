@@ -123,6 +123,8 @@ class EmptyParams(HeldByOptimizer):
                                else v for k, v in st.items()}
                       for i, st in states.items() if st and i in ids},
             "param_groups": groups})
+        zstate.keep_loaded_strings(self.inner.state, {self.stand_ins[i]: st for i, st in states.items()
+                                                      if st and i in ids})
 
     def _indices_of(self, group: dict) -> list[int]:
         index_of = {id(t): i for i, t in self.stand_ins.items()}

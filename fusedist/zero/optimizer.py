@@ -36,9 +36,8 @@ from torch.optim import Optimizer
 
 from .._rank import this_rank
 from ..optim.elementwise import check_elementwise
-from . import copies, deferred_stage2, grad_agreement, grad_sync, grow, param_checks, param_labels, step_flag
-from . import step_refusals, wiring
-from . import state as zstate
+from . import copies, deferred_stage2, grad_agreement, grad_sync, group_sync, grow, param_checks, param_labels
+from . import step_flag, step_refusals, torch_partition, wiring
 from .empty_params import EmptyParams
 from .eager import eager_step
 from .factory import default_optimizer_class, optimizer_type
@@ -376,8 +375,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             self._sharded_state.unmatched.clear()  # Note [loaded masters that do not match the parameters]
             if self.stage == 1:
                 self._collect_stage1_grads()
-            for group, inner_group in zip(self.param_groups, self.inner.param_groups):
-                inner_group.update(zstate.hyperparameters(group))
+            group_sync.to_inner(self.param_groups, self.inner.param_groups)
             without_grad = self._params_without_grad()
             stepped = self._pieces_to_step(without_grad)
             if self._offload is not None:
@@ -394,6 +392,8 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
                     self._restore_piece_grads(skipped)
                 self._gatherer.publish(self._partition, self._flat_params, self._masters)
             self._empty.step(without_grad)  # Note [parameters with no elements] in empty_params.py
+            # Note [hyperparameters written back after the step] in group_sync.py
+            group_sync.from_inner(self.param_groups, self.inner.param_groups)
             # Stage 2: step() consumes the gradient shard, so the next synchronized backward
             # starts from zero whichever zero_grad the loop calls (module.zero_grad() cannot
             # reach the shard). Several synchronized backward passes *before* a step still
@@ -567,3 +567,4 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
 
 share_with_wrappers(ZeroRedundancyOptimizer)  # Note [state shared with wrappers] in shared_state.py
 copies.refuse_copies(ZeroRedundancyOptimizer)  # Note [copies of a sharded optimizer] in copies.py
+torch_partition.refuse_partition_attributes(ZeroRedundancyOptimizer)  # Note [torch's whole-parameter partition]

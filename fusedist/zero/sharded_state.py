@@ -342,6 +342,7 @@ class ShardedState(HeldByOptimizer):
         z.inner.state.clear()
         z.inner.load_state_dict({"state": {index_of[t]: st for t, st in new_state.items() if st},
                                     "param_groups": groups})
+        zstate.keep_loaded_strings(z.inner.state, new_state)
         z._empty.load(assembled)  # Note [parameters with no elements] in empty_params.py
         sharded = set(z._trainable)
         self.pending = {i: item for i, item in assembled.items() if i not in sharded and z._params[i].numel()}

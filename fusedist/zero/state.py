@@ -211,9 +211,7 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str,
             else:
                 for f in frags[1:]:
                     other = f["state"].get(key)
-                    same = (torch.equal(torch.as_tensor(other), torch.as_tensor(first))
-                            if other is not None else False)
-                    if not same:
+                    if not (key in f["state"] and same_scalar_state(first, other)):
                         raise StateDictError(
                             f"{source}: scalar state '{key}' of {_which(index, params, name)} differs across shards "
                             f"({first!r} vs {other!r})"
@@ -230,6 +228,33 @@ def assemble(frags_by_param: dict[int, list], params, indices, *, source: str,
         master = torch.cat([f["master"].reshape(-1) for f in frags]) if has_master else None
         out[index] = {"master": master, "state": state}
     return out
+
+
+def same_scalar_state(a, b) -> bool:
+    """Whether two fragments of a parameter hold the same per-parameter scalar state: numbers and
+    0-dim tensors by value; anything else an optimizer keeps per parameter (a string, a tuple,
+    None) by ``==``, as torch's state dicts carry it. (Every value went through ``torch.as_tensor``,
+    which fails on a string: consolidating a user optimizer's state with one raised a TypeError
+    on the receiving rank only.)"""
+    numbers = (torch.Tensor, int, float, bool)
+    if isinstance(a, numbers) and isinstance(b, numbers):
+        return torch.equal(torch.as_tensor(b), torch.as_tensor(a))
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - a value without a plain truth value of ==: not provably the same
+        return False
+
+
+def keep_loaded_strings(loaded: dict, given: dict) -> None:
+    """Put back the string values of ``given`` (tensor -> its state, as handed to an optimizer's
+    ``load_state_dict``) into ``loaded`` (that optimizer's state after the load). torch's
+    ``Optimizer.load_state_dict`` rebuilds every iterable state value from its items, and a
+    string comes back as the text of a generator ("<generator object ...>"); torch's
+    ZeroRedundancyOptimizer sets its local state directly and keeps them."""
+    for t, st in given.items():
+        for key, v in st.items():
+            if isinstance(v, str) and t in loaded:
+                loaded[t][key] = v
 
 
 def _assemble_empty(frag: dict, source: str, which: str) -> dict:

@@ -21,6 +21,11 @@ Note [gradients compared at every step]
     agree on whether a step carries rows, or the gathers differ in size: the choice depends only on
     what the ranks agree on (the first comparison's verdict, the layout, ``FUSEDIST_CHECKS``).
 
+    Host (gloo) gradients only: the rows are made and judged on the host, which for CUDA gradients
+    would synchronize the host with the device twice a step (the norms, the gathered tail). On CUDA the
+    first step's comparison stands alone; a device-side verdict read once it is ready (as the pipeline's
+    step check is read) would extend it there.
+
 Note [the fingerprint of every step]
     The first comparison's fingerprint (float64 sums and a projection on a hashed +-1 pattern) costs
     about ten passes over every gradient: as much as the optimizer's own step, every step. Here each

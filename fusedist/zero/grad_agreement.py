@@ -122,10 +122,12 @@ def _describe(row: list) -> str:
 
 def carries(zero) -> bool:
     """Whether this step's parameter all-gathers carry the gradients' fingerprints: every step after the
-    first comparison found them alike (Note [gradients compared at every step] in carried_agreement.py)."""
+    first comparison found them alike (Note [gradients compared at every step] in carried_agreement.py). On
+    host tensors only: the fingerprints are read on the host, which on a GPU would synchronize every step."""
     return (zero._grads_agreed and zero.stage == 1 and zero.ddp is None and not zero._averaged_by_model
             and zero.comm is not None and zero.world_size > 1 and not zero._join_config.enable
-            and zero._partition is not None and checks_enabled())
+            and zero._partition is not None and torch.device(zero.comm.device).type == "cpu"
+            and checks_enabled())
 
 
 def raise_carried(zero) -> None:

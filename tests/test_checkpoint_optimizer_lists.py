@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 import fusedist.checkpoint as ckpt
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import launch_for_selected, results_of, under_env
+from test_checkpoint_small_save_entry import SAVE_ALONE_ENV, check_rank_0_saves_alone, rank_0_saves_alone
 
 ROWS = 4  # global batch rows
 
@@ -186,17 +187,25 @@ SCENARIOS = {
         f"checkpointer {kind}": (_checkpointer, (kind, None)) for kind in ("torch", "zero")},
     "test_a_list_resumes_like_an_uninterrupted_run": {
         kind: (_resume, (kind, None)) for kind in ("torch", "fused", "zero")},
+    "test_a_save_on_rank_0_only_says_that_every_rank_must_call_it": {  # (last: it gives its group up)
+        "saved alone": (under_env, (SAVE_ALONE_ENV, rank_0_saves_alone, None))},
 }
 
 
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("lists"))
-    by_test = {test: {name: (fn, (args[0], os.path.join(root, name))) for name, (fn, args) in scenarios.items()}
+    by_test = {test: {name: (fn, (*args[:-1], os.path.join(root, name))) for name, (fn, args) in scenarios.items()}
                for test, scenarios in SCENARIOS.items()}
     launched = launch_for_selected(request, by_test, 2, timeout=240)
     launched["root"] = root
     return launched
+
+
+def test_a_save_on_rank_0_only_says_that_every_rank_must_call_it(launched):
+    """torch.save's habit, ``if rank == 0: save(...)`` (plain and Checkpointer): rank 0's error names
+    rank 1 and says what to do."""
+    check_rank_0_saves_alone(results_of(launched, "saved alone"))
 
 
 @pytest.mark.parametrize("kind", ["torch", "zero"])

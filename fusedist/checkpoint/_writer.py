@@ -15,9 +15,11 @@ without a manifest, which the next start skips.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
+import sys
 import threading
 import time
 import uuid
@@ -522,10 +524,36 @@ def _join_live() -> None:
 
 
 def _finish_at_exit() -> None:
+    """Let the saves in flight end; one that failed ends the process with status 1 (Note [a save
+    that fails at exit])."""
+    lost = False
     for writer in list(_live):
         try:
             writer.wait()
         except BaseException as exc:  # noqa: BLE001 - too late to raise; say what was lost
+            lost = True
             print(f"{writer.name}: the checkpoint being written at exit was not completed: "
                   f"{type(exc).__name__}: {exc} (call the Checkpointer's wait() or close() before "
                   "destroy_process_group() and exit: the save needs the process group to finish)", flush=True)
+    if lost:
+        _end_failed()
+
+
+# Note [a save that fails at exit]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A save still in flight when the program ends is finished by the exit handler above; when it
+# fails there (a peer died, the group was destroyed) the checkpoint is lost, yet the process ended
+# with status 0 and a job scheduler took the run for a success. An exit handler cannot change the
+# interpreter's status, so the handler runs the exit handlers still to run (the interpreter's
+# order: newest first), flushes the standard streams and ends the process with status 1 -- as
+# fusedist/comm/given_up_exit.py ends a process whose collectives were given up.
+def _end_failed() -> None:
+    atexit.unregister(_finish_at_exit)
+    atexit._run_exitfuncs()  # (the ones not yet run; it clears them: none runs twice)
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None and not stream.closed:
+                stream.flush()
+        except Exception:  # noqa: BLE001 - a stream that cannot flush: nothing more to do for it
+            pass
+    os._exit(1)

@@ -41,6 +41,7 @@ from ..comm import get_communicator
 from ..comm.objects import all_gather_object
 from ..zero import ZeroRedundancyOptimizer
 from . import _checks, _failed_save, _files, _given_up, _load, _names, _optimizer_list, _sections, _writer, stage3
+from . import _save_entry
 from ._files import CheckpointError
 
 
@@ -211,21 +212,22 @@ def save(directory: str, model: torch.nn.Module, optimizer=None, scaler=None, ex
     _optimizer_list.refuse_parts(model)
     _given_up.settle()  # Note [a plain save given up on] in _given_up.py
     started = time.time()  # temporaries older than this save are abandoned once it completes
-    _check_ranks_agree(model, optimizer)
-    world = _World(optimizer, model, process_group)
-    _warn_trusted_only(world.rank, optimizer, extra, per_rank)
-    # Note [checkpoint atomicity]: over a complete checkpoint, the new files get names of
-    # their own, so that the old checkpoint stays whole until the new manifest replaces its.
-    info, failure = None, None
-    try:  # (a user's state_dict hook may raise: Note [a failed save leaves nothing] in _failed_save.py)
-        shapes = {"model": _sections.model_shapes(model)}  # Note [one model per save] in _checks.py
-        info = {"model": _checks.keys_digest(shapes["model"])}
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by start_save
-        failure = exc
-    save_id, calls, claim, _ = start_save(
-        world, directory, _checks.save_call(directory, optimizer, scaler, extra, per_rank), info,
-        lambda infos: _checks.check_same_keys(infos, lambda: world.all_gather(shapes, "save: model keys"),
-                                              "fusedist.checkpoint.save"), failure)
+    with _save_entry.entered_by_every_rank("fusedist.checkpoint.save"):  # Note [a save called on some ranks only]
+        _check_ranks_agree(model, optimizer)
+        world = _World(optimizer, model, process_group)
+        _warn_trusted_only(world.rank, optimizer, extra, per_rank)
+        # Note [checkpoint atomicity]: over a complete checkpoint, the new files get names of
+        # their own, so that the old checkpoint stays whole until the new manifest replaces its.
+        info, failure = None, None
+        try:  # (a user's state_dict hook may raise: Note [a failed save leaves nothing] in _failed_save.py)
+            shapes = {"model": _sections.model_shapes(model)}  # Note [one model per save] in _checks.py
+            info = {"model": _checks.keys_digest(shapes["model"])}
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by start_save
+            failure = exc
+        save_id, calls, claim, _ = start_save(
+            world, directory, _checks.save_call(directory, optimizer, scaler, extra, per_rank), info,
+            lambda infos: _checks.check_same_keys(infos, lambda: world.all_gather(shapes, "save: model keys"),
+                                                  "fusedist.checkpoint.save"), failure)
 
     mine, error = {}, None
     try:

@@ -51,7 +51,7 @@ import time
 import warnings
 from typing import Optional
 
-from . import _files, _heartbeat, _owner, _root_checks, api, layout
+from . import _files, _heartbeat, _owner, _root_checks, _save_entry, api, layout
 from . import pipeline as pipelined
 from ._files import CheckpointError
 from ._persist import PersistMixin
@@ -158,11 +158,13 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
         # Once the save before is known to have completed or failed: only a completed one counts.
         step = self._check_step(step, "save")
         t1 = time.perf_counter()
-        if self._whole_model is not None:  # as a plain save of the list checks it: the views find no DDP
-            api._check_ranks_agree(self._whole_model, None)
-        for module, optimizer in self._parts():
-            api._check_ranks_agree(module, optimizer)
-        snapshot = self._agreed_snapshot(step, extra)
+        # Note [a save called on some ranks only] in _save_entry.py
+        with _save_entry.entered_by_every_rank("fusedist.checkpoint.Checkpointer.save"):
+            if self._whole_model is not None:  # as a plain save of the list checks it: the views find no DDP
+                api._check_ranks_agree(self._whole_model, None)
+            for module, optimizer in self._parts():
+                api._check_ranks_agree(module, optimizer)
+            snapshot = self._agreed_snapshot(step, extra)
         t2 = time.perf_counter()
         record = {"step": step, "wait_s": t1 - t0, "stall_s": t2 - t0, "bytes": self._staging.bytes,
                   "async": self.async_save}

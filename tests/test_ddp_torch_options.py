@@ -27,6 +27,7 @@ from torch import nn
 
 from fusedist.testing import run_distributed
 from shared_rank_launch import launch_for_selected, results_of
+from test_ddp_held_grads_moved import check_moved_gradients, moved_gradients_beside_torch
 
 
 def test_signature_takes_torchs_parameters_in_torchs_positions():
@@ -1159,6 +1160,15 @@ def test_gradient_tensors_a_user_holds_behave_as_torchs_default_ones(launched):
         assert (views["kept unchanged"], views["assigned is the gradient"], views["_base"]) == (False, False, False)
 
 
+def test_gradients_moved_kept_by_a_hook_or_cached_across_the_rebuild_as_torch_ddps(launched):
+    """``p.grad.data = t`` before an accumulating backward, or before ``zero_grad()``: the next
+    backward's average as torch DDP's (the bucket is cut a new slot; the moved tensor keeps ``t``'s
+    memory). A communication hook's ``bucket.gradients()`` kept across steps are views of the
+    bucket, as torch's (not ``p.grad`` tensors moved onto copies each step). Gradient tensors cached
+    after a first ``no_sync`` backward stay ``p.grad`` across the buckets' rebuild."""
+    check_moved_gradients(results_of(launched, "moved gradients"))
+
+
 # ---------------------------------------------------------------- the shared launch
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
@@ -1191,6 +1201,8 @@ def launched(request, tmp_path_factory):
         "test_sink_clone_setting_and_the_logger_as_torch_ddps": {"sink clone, logger": (_sink_clone_and_logger, ())},
         "test_gradient_tensors_a_user_holds_behave_as_torchs_default_ones": {
             "gradient views": (_gradient_views_beside_torch, ())},
+        "test_gradients_moved_kept_by_a_hook_or_cached_across_the_rebuild_as_torch_ddps": {
+            "moved gradients": (moved_gradients_beside_torch, ())},
         "test_state_dict_hooks_run_as_often_as_under_torch_ddp_across_a_load": {
             "state_dict hooks across a load": (_state_dict_hooks_across_a_load, ())},
         "test_torch_ddp_inside_over_a_destroyed_group_is_refused_naming_the_destroy": {

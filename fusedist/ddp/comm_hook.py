@@ -114,10 +114,10 @@ class HookBucket:
         self._buffer = tensor
 
     def gradients(self) -> list:
-        """Each parameter's gradient as a view of the current buffer: the gradients
-        themselves, or slices of a buffer the hook set (a compression wrapper's)."""
-        if self._buffer is self._real:
-            return [self._layout.grad_view(p) for p in self._bucket.params]
+        """Each parameter's gradient as a view of the current buffer (the bucket's, or one the hook
+        set: a compression wrapper's), as torch's: views, not the ``p.grad`` slot tensors, so a hook
+        keeping them across steps sees the buffer's values and is no holder of a gradient (Note
+        [gradients the user holds] in held_grads.py)."""
         start, buffer = self._bucket.start, self._buffer
         if self._flat.is_complex() and not buffer.is_complex():  # a converted buffer of real pairs
             buffer = torch.view_as_complex(buffer.view(-1, 2))

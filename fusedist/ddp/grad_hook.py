@@ -145,7 +145,11 @@ def make_hook(reducer_ref: "weakref.ref[Reducer]", key: int):
                 return
             if grad.is_sparse:
                 raise self._sparse_gradient(entry)
-            fresh = grad.data_ptr() != view.data_ptr()
+            at = view.data_ptr()
+            if at != slot.ptr:  # the slot's tensor moved off the bucket (p.grad.data = t): Note [gradients
+                view = self._layout.recut(p)  # the user holds] (held_grads.py)
+                at = slot.ptr
+            fresh = grad.data_ptr() != at
         if fresh:
             # A fresh gradient tensor (zero_grad(set_to_none=True), or gradient views
             # disabled): it holds this parameter's whole gradient, so copy, don't add, and

@@ -92,14 +92,17 @@ class ParamSlot:
     """Where a parameter's gradient lives: its bucket, its offset in the dtype buffer, and
     ``view``, its gradient view of the bucket's storage while that is allocated (else None).
     The view is cut once per allocation and handed out every time, so a gradient hook finds
-    it with one attribute read (Note [per-parameter cost] in ``grad_hook.py``)."""
+    it with one attribute read (Note [per-parameter cost] in ``grad_hook.py``). ``ptr``: the
+    address it was cut at; ``p.grad.data = t`` moves the view object off it (Note [gradients
+    the user holds] in held_grads.py)."""
 
-    __slots__ = ("bucket", "offset", "view")
+    __slots__ = ("bucket", "offset", "view", "ptr")
 
     def __init__(self, bucket: Bucket, offset: int):
         self.bucket = bucket
         self.offset = offset
         self.view: Optional[torch.Tensor] = None
+        self.ptr = 0
 
 
 def shaped_like(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -204,13 +207,15 @@ class GradLayout:
 
     def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
         """``param``'s gradient view of its bucket (the same tensor until the bucket's storage
-        is released)."""
+        is released, or until ``.data`` moves it off the bucket: then it is cut anew)."""
         slot = self.slots[param]
         if slot.view is None:
             raise RuntimeError(
                 f"fusedist: gradient bucket {slot.bucket.index} is released (per-bucket storage); "
                 "allocate it before taking a gradient view"
             )
+        if slot.view.data_ptr() != slot.ptr:
+            return self.recut(param)
         return slot.view
 
     def cut_views(self, bucket: Bucket) -> None:
@@ -225,7 +230,24 @@ class GradLayout:
                 slot.set_(storage, base + off - start, shape)
             else:
                 slot.set_(storage, base + off - start, shape, strides)
-            self.slots[p].view = slot
+            entry = self.slots[p]
+            entry.view, entry.ptr = slot, slot.data_ptr()
+
+    def recut(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """``param``'s slot cut anew on its bucket's storage, once its tensor was moved off it
+        (``p.grad.data = t``, ``p.grad.set_(t)``): the moved tensor keeps the memory it was given."""
+        slot = self.slots[param]
+        bucket = slot.bucket
+        index = next(i for i, q in enumerate(bucket.params) if q is param)
+        shape, strides = slot_geometry(param, bucket.orders[index])
+        data = bucket.data
+        view, offset = data.new_empty(0), data.storage_offset() + slot.offset - bucket.start
+        if strides is None:
+            view.set_(data.untyped_storage(), offset, shape)
+        else:
+            view.set_(data.untyped_storage(), offset, shape, strides)
+        slot.view, slot.ptr = view, view.data_ptr()
+        return view
 
     def record_orders(self) -> None:
         """Record each slot's order from its parameter as it is now (Note [slot order fixed at

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .layout import alias_of
+
 if TYPE_CHECKING:
     from .reducer import Reducer
 
@@ -58,10 +60,17 @@ def switch_layout(reducer: "Reducer", new, notify: bool = True, final: bool = Tr
             continue  # a released bucket reads as zero, as a newly allocated one does
         new.allocate(new.slots[p].bucket)
         slot = old.grad_view(p)
-        new.grad_view(p).copy_(slot)
+        view = new.grad_view(p)
+        view.copy_(slot)
         grad = p.grad  # the slot follows (a gradient of the user's own stays: Note [gradients the user holds])
         if grad is not None and reducer.config.gradient_as_bucket_view and grad.data_ptr() == slot.data_ptr():
-            p.grad = new.grad_view(p)
+            if grad is slot:  # the same tensor moves onto the new slot: one cached before the rebuild
+                old.slots[p].view = alias_of(slot)  # (a no_sync backward first) stays p.grad, as torch's
+                with torch.no_grad():  # default ones do; the old layout keeps a tensor of its own (two
+                    slot.set_(view)  # holders would count as the user's: Note [gradients the user holds])
+                new.slots[p].view = slot
+            else:
+                p.grad = view
     reducer.layout = new
     reducer.layout_final = final
     reducer._observed_order = None

@@ -150,6 +150,7 @@ def _peer_abort(rank, world):
 
     measured = {}
     torch_barrier = dist.barrier  # (before this process's first exchange wraps it)
+    measured.update(_refused_after_own_abort(store, rank, world))
     for index, scenario in enumerate(SCENARIOS, start=1):
         if scenario == "store record":
             recorded_in = dist.distributed_c10d._get_default_store()
@@ -206,6 +207,8 @@ def _peer_abort(rank, world):
                 measured[scenario] = (time.monotonic() - start, "completed")
             except Exception as exc:  # noqa: BLE001 - the failure under test
                 measured[scenario] = (time.monotonic() - start, str(exc))
+            if scenario == "sync":  # (its next collective, once rank 0 aborted the group too: below)
+                run_again = run
             if scenario == "ddp bucket":  # (Note [a forward after its group was aborted] in fusedist/ddp)
                 measured["ddp forward after"] = _waited(lambda: run.model(torch.ones(2, 4)))
             if scenario == "process exit":
@@ -214,10 +217,34 @@ def _peer_abort(rank, world):
                 measured["barrier in flight"] = barrier_waited()
             del run
             dist.distributed_c10d._abort_process_group(group)
+            if scenario == "sync":  # (Note [a refusal names the abort] in fusedist/comm/released_group.py)
+                measured["sync refused after own abort"] = _waited(run_again)
+                del run_again
             store.set(f"peer-abort/{scenario}/done", b"")
         if group is None and scenario != SCENARIOS[-1]:
             _fresh_group(store, index, rank, world)
     return measured
+
+
+def _refused_after_own_abort(store, rank: int, world: int) -> dict:
+    """Both ranks abort a group of their own, its communicator used once; then its next collective (refused: no
+    peer involved), the same once the next lookup released it, and torch's own all-reduce there (the reference)."""
+    import torch.distributed as dist
+
+    from fusedist.comm import get_communicator
+
+    group = dist.new_group([0, 1])
+    comm = get_communicator(group)
+    x = torch.ones(32)
+    comm.all_reduce(x)  # (one that pairs)
+    _meet(store, "own abort/ready", rank, world)
+    dist.distributed_c10d._abort_process_group(group)
+    refused = {"own abort refused": _waited(lambda: comm.all_reduce(x)),
+               "own abort torch's all_reduce": _waited(lambda: dist.all_reduce(x, group=group))}
+    get_communicator()  # (releases the aborted group's communicator: Note [when torch forgets a group])
+    refused["own abort refused once released"] = _waited(lambda: comm.all_reduce(x))
+    _meet(store, "own abort/done", rank, world)
+    return refused
 
 
 def _in_flight(group, rank: int, told):
@@ -365,3 +392,34 @@ def test_a_ddp_forward_after_a_peers_abort_failed_a_bucket_is_refused_naming_the
                             "process group can no longer run collectives: an earlier collective of it failed ("), error
     assert "rank 1 closed the connection: it aborted its process groups" in error, error
     assert "Re-create the process group on every rank" in error and "model.module" in error, error
+
+
+_ABORTED_HERE = "it was aborted on this rank (torch.distributed's _abort_process_group)"
+
+
+@pytest.mark.parametrize("key", ["own abort refused", "own abort refused once released"])
+def test_a_collective_on_a_group_aborted_here_is_refused_naming_the_abort(measured, key):
+    """Note [a refusal names the abort] (fusedist/comm/released_group.py): the refusal said the group "was
+    destroyed (torch.distributed.destroy_process_group())", a call the program never made; torch's own all-reduce
+    there is refused at once as well (ValueError: not in the world group map)."""
+    seconds, error = measured[key]
+    assert seconds < PROMPT_S, f"{key}: took {seconds:.1f} s: {error}"
+    assert error.startswith("fusedist all_reduce on rank 0 of 2: not launched: the process group of this "
+                            f"communicator can no longer run collectives: {_ABORTED_HERE}. Re-create the process "
+                            "group on every rank"), error
+    assert "was destroyed" not in error, error
+    torch_seconds, torch_error = measured["own abort torch's all_reduce"]
+    assert torch_seconds < PROMPT_S and "not initialized in the world group map" in torch_error, torch_error
+
+
+def test_a_collective_on_a_group_aborted_after_a_peers_abort_names_both(measured):
+    """Note [a refusal names the abort]: rank 1 aborted the group, rank 0's collective failed naming it, and rank 0
+    aborted the group too; its next collective was refused as on a destroyed group. Now it names this rank's
+    abort and the failure before it, with the peer."""
+    seconds, error = measured["sync refused after own abort"]
+    assert seconds < PROMPT_S, f"took {seconds:.1f} s: {error}"
+    assert error.startswith("fusedist all_reduce on rank 0 of 2: not launched: the process group of this "
+                            f"communicator can no longer run collectives: {_ABORTED_HERE}, after an earlier "
+                            "collective of it failed ("), error
+    assert "rank 1 closed the connection: it aborted its process groups" in error, error
+    assert "was destroyed" not in error, error

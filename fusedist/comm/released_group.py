@@ -1,4 +1,4 @@
-"""A communicator whose process group torch.distributed destroyed: what it lets go of, and what it says after.
+"""A communicator whose process group torch.distributed destroyed (or aborted): what it lets go of, what it says after.
 
 Note [a released communicator lets go of its group]
     ``release()`` runs when torch destroys the communicator's group (Note [releasing destroyed groups] in
@@ -39,6 +39,15 @@ Note [a communicator built directly]
     and at exit nothing drained it (Note [draining at exit] in __init__.py). So every TorchCommunicator is
     tracked here, weakly (tracking keeps none alive), and the release and the exit drain treat the ones built
     directly as they treat the cached ones.
+
+Note [a refusal names the abort]
+    A group torch's ``_abort_process_group`` took away reads, to the communicator, as one destroyed: torch no
+    longer has it. The refusal of its next collective said the group "was destroyed
+    (torch.distributed.destroy_process_group())" -- a call the program never made, sending its reader after the
+    wrong one. The abort marks the communicator (``ended_by_abort``: Note [a communicator remembers its group's
+    abort] in group_ends.py; kept after the release), so the refusal names the abort instead, and, where a
+    collective of the group had failed before -- a peer that aborted or ended, which the failure names -- that
+    failure too: it is why the program aborted the group.
 """
 
 from __future__ import annotations
@@ -120,13 +129,24 @@ def _which(on_default_group: bool) -> str:
     return "default process group" if on_default_group else "process group"
 
 
-def refused_error(op: str, tag: str, rank: int, world_size: int, on_default_group: bool) -> RuntimeError:
-    """The error refusing ``op`` on a communicator whose group was destroyed (as torch's own collectives refuse
-    one): run there, it would pair with whatever a peer still holding the group issues."""
+def refused_error(op: str, tag: str, rank: int, world_size: int, on_default_group: bool,
+                  aborted: Optional[str] = None, failed_before: Optional[str] = None) -> RuntimeError:
+    """The error refusing ``op`` on a communicator whose group torch.distributed no longer has (as torch's own
+    collectives refuse one): run there, it would pair with whatever a peer still holding the group issues.
+    ``aborted``: why, where the group was aborted rather than destroyed (Note [a refusal names the abort]);
+    ``failed_before``: the failure that gave the group up before (it names the peer, where one ended it)."""
+    where = f"fusedist {op}{_tag(tag)} on rank {rank} of {world_size}: not launched"
+    if aborted is None:
+        return RuntimeError(
+            f"{where}, the {_which(on_default_group)} of this communicator was destroyed "
+            "(torch.distributed.destroy_process_group()); get a communicator for a live group "
+            "(fusedist.comm.get_communicator) and rebuild what holds the old one (DDP, ZeRO)")
+    earlier = f", after an earlier collective of it failed ({failed_before})" if failed_before else ""
     return RuntimeError(
-        f"fusedist {op}{_tag(tag)} on rank {rank} of {world_size}: not launched, the {_which(on_default_group)} "
-        "of this communicator was destroyed (torch.distributed.destroy_process_group()); get a communicator for "
-        "a live group (fusedist.comm.get_communicator) and rebuild what holds the old one (DDP, ZeRO)")
+        f"{where}: the {_which(on_default_group)} of this communicator can no longer run collectives: "
+        f"{aborted}{earlier}. Re-create the process group on every rank (torch.distributed.destroy_process_group() "
+        "+ init_process_group(), or a new torch.distributed.new_group()), get a communicator for it "
+        "(fusedist.comm.get_communicator) and rebuild what holds the old one (DDP, ZeRO)")
 
 
 def ended_under_collective(on_default_group: bool) -> str:

@@ -316,10 +316,13 @@ class TorchCommunicator(Communicator):
             released_group.let_go(self)
 
     def _check_group_alive(self, op: str, tag: str) -> None:
-        """Refuse a collective on a process group ``destroy_process_group`` has destroyed, as torch.distributed's
-        own collectives do (released or not yet: Note [a released communicator lets go of its group])."""
+        """Refuse a collective on a process group torch.distributed destroyed or aborted, as its own collectives do
+        (released or not yet: Note [a released communicator lets go of its group])."""
         if self.released or not released_group.is_alive(self._group_obj):
-            raise released_group.refused_error(op, tag, self.rank, self.world_size, self._on_default_group)
+            raise released_group.refused_error(
+                op, tag, self.rank, self.world_size, self._on_default_group,
+                aborted=getattr(self, "ended_by_abort", None),  # (Note [a refusal names the abort] there)
+                failed_before=self.abort_reason if self.aborted else None)
 
     def _ended_under_collective(self) -> str:
         if self.released or not released_group.is_alive(self._group_obj):

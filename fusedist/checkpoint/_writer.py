@@ -475,6 +475,7 @@ class BackgroundWriter:
         self.started = self.finished = 0.0
         _live.add(self)
         at_exit("finish checkpoint writes", _finish_at_exit)  # fusedist/_process_hooks.py
+        _finish_before_exit_handlers()  # Note [a save that fails at exit]
         _destroy_waits.install(_join_live)  # Note [a destroy waits for the save in flight]
 
     @property
@@ -523,9 +524,8 @@ def _join_live() -> None:
         writer.join()
 
 
-def _finish_at_exit() -> None:
-    """Let the saves in flight end; one that failed ends the process with status 1 (Note [a save
-    that fails at exit])."""
+def _finish_at_exit() -> bool:
+    """Let the saves in flight end (Note [a save that fails at exit]); True where one failed."""
     lost = False
     for writer in list(_live):
         try:
@@ -535,21 +535,46 @@ def _finish_at_exit() -> None:
             print(f"{writer.name}: the checkpoint being written at exit was not completed: "
                   f"{type(exc).__name__}: {exc} (call the Checkpointer's wait() or close() before "
                   "destroy_process_group() and exit: the save needs the process group to finish)", flush=True)
-    if lost:
-        _end_failed()
+    return lost
 
 
 # Note [a save that fails at exit]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A save still in flight when the program ends is finished by the exit handler above; when it
-# fails there (a peer died, the group was destroyed) the checkpoint is lost, yet the process ended
-# with status 0 and a job scheduler took the run for a success. An exit handler cannot change the
-# interpreter's status, so the handler runs the exit handlers still to run (the interpreter's
-# order: newest first), flushes the standard streams and ends the process with status 1 -- as
-# fusedist/comm/given_up_exit.py ends a process whose collectives were given up.
+# A save still in flight when the program ends is finished at exit; when it fails there (a peer
+# died, the group was destroyed) the checkpoint is lost, yet the process ended with status 0 and a
+# job scheduler took the run for a success. An exit handler cannot change the interpreter's status,
+# and one that ends the process itself must run first among the exit handlers and run the others
+# (the interpreter runs them newest first, and a handler registered while they run never runs; one
+# run in the middle would run the newer ones twice). So the saves are finished earlier, at the
+# start of the interpreter's shutdown (threading's exit callbacks, before the exit handlers): where
+# one failed, a handler registered then is the newest; it runs the others, once, flushes the
+# standard streams and ends the process with status 1 -- as fusedist/comm/given_up_exit.py ends a
+# process whose collectives were given up. The exit handler above stays for what remains (a writer
+# made during the shutdown): it can only say what was lost.
+_thread_exit_registered = False
+
+
+def _finish_before_exit_handlers() -> None:
+    """Register, once, the finishing of the saves at the start of the interpreter's shutdown."""
+    global _thread_exit_registered
+    register = getattr(threading, "_register_atexit", None)
+    if _thread_exit_registered or register is None:
+        return
+    try:
+        register(_finish_at_shutdown)
+        _thread_exit_registered = True
+    except RuntimeError:  # (the shutdown has begun: the exit handler finishes them)
+        pass
+
+
+def _finish_at_shutdown() -> None:
+    if _finish_at_exit():
+        atexit.register(_end_failed)  # the newest exit handler: it runs first
+
+
 def _end_failed() -> None:
-    atexit.unregister(_finish_at_exit)
-    atexit._run_exitfuncs()  # (the ones not yet run; it clears them: none runs twice)
+    atexit.unregister(_end_failed)
+    atexit._run_exitfuncs()  # (every other handler, once: none has run yet)
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
             if stream is not None and not stream.closed:

@@ -39,6 +39,7 @@ import inspect
 
 import torch.distributed as dist
 
+from ._pipeline_small_batch import fill_targets, restore_count
 from ._pipeline_step_status import (
     exchange, put_back, several_armed, wait_bounded, zero_activations, zero_gradients)
 from ._pipeline_step_verdict import StepVerdicts, raise_told
@@ -60,8 +61,14 @@ def wrap_step(schedule) -> None:
             "supports, or name the targets' parameter target_mbs in the schedule's _step_microbatches")
 
     def stepping(*args, **kwargs):
-        if named:
-            schedule._fusedist_targets = (signature.bind(*args, **kwargs).arguments.get("target_mbs"),)
+        if named:  # (a target too short to split: Note [a batch smaller than n_microbatches])
+            bound = signature.bind(*args, **kwargs)
+            if "target_mbs" in bound.arguments:
+                bound.arguments["target_mbs"] = fill_targets(schedule, bound.arguments["target_mbs"])
+            args, kwargs = bound.args, bound.kwargs
+            schedule._fusedist_targets = (bound.arguments.get("target_mbs"),)
+        else:
+            restore_count(schedule)
         schedule._fusedist_failure = None
         schedule._fusedist_step_raised = True  # (Note [a stage that ended in a step that raised])
         try:
@@ -75,6 +82,7 @@ def wrap_step(schedule) -> None:
         finally:
             schedule.__dict__.pop("_fusedist_targets", None)
             schedule.__dict__.pop("_fusedist_failure", None)
+            schedule.__dict__.pop("_fusedist_short", None)
 
     schedule._step_microbatches = stepping
     schedule._fusedist_step_wrapped = True

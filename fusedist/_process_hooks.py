@@ -36,8 +36,11 @@ fusedist reaches outside its own objects in a few places, and each is here:
   ``Checkpointer`` save still in flight is finished first (fusedist/checkpoint/_destroy_waits.py);
 * torch.distributed's ``barrier``, once a gloo exchange exists: a barrier that fails on a connection a peer
   closed names that peer and why (fusedist/comm/barrier_closed.py);
+* threading's exit callbacks (the start of the interpreter's shutdown): a checkpoint still being
+  written is finished, and one that failed ends the process with status 1 (Note [a save that fails
+  at exit] in fusedist/checkpoint/_writer.py);
 * ``atexit`` callbacks, run in reverse order of installation: a checkpoint still being
-  written is finished, in-flight exchanges are drained before the interpreter finalizes
+  written is finished (one begun during the shutdown), in-flight exchanges are drained before the interpreter finalizes
   (fusedist/comm), a rank leaving early says so to the others, a timeline is flushed.
 
 Each is installed lazily by the code that needs it, at most once per key, and

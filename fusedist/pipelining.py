@@ -102,6 +102,10 @@ Note [a step that raised]
 Note [several devices in one stage]
     In _pipeline_set_aside.py.
 
+Note [a batch smaller than n_microbatches]
+    In _pipeline_small_batch.py: a step's batch with fewer rows than ``n_microbatches`` is refused on every rank
+    at once, naming the rows, the count and the stage that took it.
+
 Note [the step check's verdict read at the step's end]
     In _pipeline_step_verdict.py: a DDP or ``fully_shard`` stage's data-parallel peers that diverged in a step
     are named at the step's end, on every rank, before any optimizer step; and Note [a retried step paired with
@@ -126,6 +130,7 @@ from ._pipeline_notice_back import (
     tell_upstream)
 from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain_weight_pass, _weight_pass, _weights
 from ._pipeline_placement import check_placement
+from ._pipeline_small_batch import refuse_short_batch, wrap_split
 from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, last_schedule, schedule_stepping
 from ._pipeline_schedule_step import wrap_step
 from ._pipeline_set_aside import _divided, _give_back, _holders_outside_grad, _SetAside
@@ -175,8 +180,9 @@ class PipelineStage(_TorchPipelineStage):
     def _forward_metadata_inference(self, args, kwargs=None, has_backward: bool = False):
         with over_copied_buffers(self.submod):  # Note [shape inference leaves the stage as it was]
             # Note [a shape inference that fails on one rank] (_pipeline_inference.py)
-            return failing_inference(self, lambda: super(PipelineStage, self)._forward_metadata_inference(
-                args, kwargs, has_backward), backward=False, has_backward=has_backward, told=self._told)
+            return failing_inference(self, lambda: _refusing_short_batches(self, lambda: super(
+                PipelineStage, self)._forward_metadata_inference(args, kwargs, has_backward)),
+                backward=False, has_backward=has_backward, told=self._told)
 
     def _backward_metadata_inference(self, *args, **kwargs):
         return failing_inference(self, lambda: super(PipelineStage, self)._backward_metadata_inference(
@@ -212,7 +218,8 @@ class PipelineStage(_TorchPipelineStage):
             stages = [s for s in found if s is not None]
             try:  # Note [stage counts that differ across ranks] (_pipeline_placement.py)
                 check_placement(self, stages or [self])
-            except RuntimeError:
+            except RuntimeError as e:  # (told to the data-parallel peers too: Note [a first-step failure told...)
+                publish_first_step_failure(self, str(e))
                 self._told()
                 raise
         return forward_vote(self, has_backward, received_acc)  # Note [micro-batch counts that differ across ranks]
@@ -223,6 +230,7 @@ class PipelineStage(_TorchPipelineStage):
     def _prepare_forward_infra(self, *args, **kwargs):
         refusal, self._counts_differ = getattr(self, "_counts_differ", None), None
         if refusal is not None:  # every rank raises here, before the step's first message
+            publish_first_step_failure(self, refusal)  # (and its data-parallel peers learn it: _pipeline_step_status)
             self._told()
             raise RuntimeError(refusal)
         if getattr(getattr(self, "_inference_mode", None), "value", None) == "static":
@@ -302,6 +310,9 @@ class PipelineStage(_TorchPipelineStage):
                 self._held_over = False
                 if step is not None:
                     step.began(self.submod, held_over)
+        if fwd_chunk_id == 0:  # Note [a batch smaller than n_microbatches] (_pipeline_small_batch.py)
+            refuse_short_batch(self, "inputs")
+            refuse_short_batch(self, "target")
         # Note [micro-batches of another shape] (torch releases without the buffers' metadata: not checked)
         meta = getattr(self, "_stage_meta", None)
         if meta is not None and self.is_first and self.group_size > 1:
@@ -366,6 +377,7 @@ class PipelineStage(_TorchPipelineStage):
             if self.is_last:
                 guard_first_loss(schedule)  # Note [a first send that cannot be made, told upstream]
             wrap_step(schedule)  # Note [the targets a step was given] (_pipeline_schedule_step.py)
+            wrap_split(schedule)  # Note [a batch smaller than n_microbatches] (_pipeline_small_batch.py)
             if getattr(self, "_published_elsewhere", None):  # (the last step published its failure)
                 gave_up = wait_until_told(self, self._published_elsewhere)  # Note [the next step waits until the...
         began(self, schedule is not None)  # Note [a failure told at the step's end] (_pipeline_step_status.py)
@@ -427,6 +439,16 @@ def stage_holders_outside_grad() -> list:
         for holder in _holders_outside_grad(stage.submod):
             found.setdefault(id(holder), holder)
     return list(found.values())
+
+
+def _refusing_short_batches(stage, infer):
+    """The stage's shape inference, refusing a step's batch too short to split (Note [a batch smaller than
+    n_microbatches] in _pipeline_small_batch.py): the first stage's inputs before it runs on them, the last
+    stage's target after its inference, where a failure of its own forward would be."""
+    refuse_short_batch(stage, "inputs", named=False)
+    result = infer()
+    refuse_short_batch(stage, "target", named=False)
+    return result
 
 
 def _divides_the_sum(stage) -> bool:

@@ -17,6 +17,9 @@
   rank (the others then waited), or with shapes given left ranks waiting until the timeout. Now every
   rank raises at once at the set-up, naming both counts, and a schedule with the right count then trains
   the same stages as the unpipelined model.
+- Note [a batch smaller than n_microbatches] (fusedist/_pipeline_small_batch.py): a batch of 2 rows for 4
+  micro-batches raised in torch's split on the first and last ranks, and the middle rank waited for the
+  timeout. Now every rank raises at once, naming the rows, the count and the stage that took the batch.
 
 Tolerances: fp32 gradients of micro-batch means summed in another order, 1e-6; a mispairing moves them by
 1e-2 or more. The process group's timeout is 30 s here; prompt means under 5 s.
@@ -310,6 +313,53 @@ def test_stage_counts_or_indices_that_differ_across_ranks_fail_every_rank_at_onc
     assert len({raised for raised, _, _ in results}) == 1, results
 
 
+def _short_batch_worker(rank, world, seed, schedule_name, static, good_steps, short, evaluate):
+    """After ``good_steps`` good steps, a step whose batch has 2 rows for 4 micro-batches (``short``: "both"
+    the inputs and the target, or only the "target"): what each rank raised and in how many seconds, whether
+    an all_reduce works, and a fresh pipeline's difference from the unpipelined model."""
+    torch.manual_seed(seed)
+    module = _Stage()
+    _, schedule = _pipeline(rank, world, module, schedule_name, MICRO_BATCHES, static)
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    for _ in range(good_steps):
+        _step(schedule, rank, world, x, y)
+    small_x = x[:2] if short == "both" else x
+    run = schedule.eval if evaluate else schedule.step
+    began = time.monotonic()
+    raised = _refused(lambda: run(small_x) if rank == 0 else run(target=y[:2]) if rank == world - 1 else run())
+    seconds = time.monotonic() - began
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    return raised, seconds, float(total), _good_step_difference(rank, world, seed, schedule_name, static)
+
+
+# (schedule, shapes given, good steps before, what is short, eval step): the first step's notices (shapes given,
+# or inferred), the step's-end exchange of a later step, an eval step
+_SHORT = [("ScheduleGPipe", True, 0, "both", False), ("Schedule1F1B", False, 0, "both", False),
+          ("Schedule1F1B", True, 1, "target", False), ("ScheduleGPipe", False, 1, "both", True)]
+
+
+@pytest.mark.parametrize("case", _SHORT, ids=["-".join(map(str, case)) for case in _SHORT])
+def test_a_batch_smaller_than_n_microbatches_fails_every_rank_at_once(case, launched):
+    """Note [a batch smaller than n_microbatches] (fusedist/_pipeline_small_batch.py): torch's split raised on
+    the first and last ranks before any message and the middle rank waited for the group's timeout (30 s
+    here). Every rank raises within 5 s the same message naming the rows, n_microbatches and the stage (with
+    its rank) that took the batch; the group works, and a fresh pipeline on it gives the unpipelined model's
+    gradients (fp32: 1e-6)."""
+    _, _, _, short, _ = case
+    results = results_of(launched, "short " + " ".join(map(str, case)))
+    assert len({raised for raised, *_ in results}) == 1, results
+    for rank, (raised, seconds, total, diff) in enumerate(results):
+        assert raised is not None and "has 2 rows, fewer than n_microbatches=4" in raised, (rank, raised)
+        if short == "target":
+            assert "stage 2 (rank 2 of the pipeline's group): the step's target (shape (2, 8))" in raised, raised
+        else:
+            assert "(rank 0 of the pipeline's group): the step's input 0 (shape (2, 8))" in raised or (
+                "stage 2 (rank 2 of the pipeline's group): the step's target" in raised), raised
+        assert seconds < 5 and total == 3, (rank, seconds, total)
+        assert diff < 1e-6, (launched["seed"], rank, diff)
+
+
 @pytest.fixture(scope="module")
 def launched(request):
     seed = int(torch.randint(0, 10_000, ()).item())
@@ -326,5 +376,7 @@ def launched(request):
                               ("Schedule1F1B", None))},
         "test_a_failure_anywhere_in_a_step_fails_every_rank_at_once": {
             "anywhere " + " ".join(map(str, case)): (_anywhere_worker, (seed, *case)) for case in _ANYWHERE},
+        "test_a_batch_smaller_than_n_microbatches_fails_every_rank_at_once": {
+            "short " + " ".join(map(str, case)): (_short_batch_worker, (seed, *case)) for case in _SHORT},
     }
     return {"seed": seed, **launch_for_selected(request, jobs, 3, timeout=300, pg_timeout=30)}

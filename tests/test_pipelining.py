@@ -1054,6 +1054,45 @@ def _dp_peer_failure_worker(rank, world_size, seed, micro_batch=2, cases=(("Dist
     return out
 
 
+def _dp_setup_refusal_worker(rank, world_size, seed):
+    """pp=2 x dp=2: pipeline 0's last stage (global rank 2) is stepped by a schedule of twice the micro-batches,
+    so pipeline 0 refuses its set-up (Note [micro-batch counts that differ across ranks]); DDP stages, shapes
+    inferred or given: each rank's error and how long after the step began it came (the refusing ranks stay
+    alive, in a barrier)."""
+    from torch.distributed import pipelining
+
+    out = {}
+    for wrap, shapes_given in (("DistributedDataParallel", False), ("DistributedDataParallel", True)):
+        pp, dp, schedule = _dp_pipeline(seed, 2, wrap, shapes_given, None)
+        if rank == 2:
+            schedule = pipelining.Schedule1F1B(schedule._stage, n_microbatches=2 * MICRO_BATCHES,
+                                               loss_fn=schedule._loss_fn)
+        x, y = _dp_batch(seed, dp)
+        torch.distributed.barrier()
+        began, raised = time.monotonic(), None
+        try:
+            _dp_step(schedule, pp, x, y)
+        except Exception as e:  # noqa: BLE001 - the test reads what was raised
+            raised = str(e)
+        out[wrap + (", shapes given" if shapes_given else "")] = (time.monotonic() - began, raised)
+        torch.distributed.barrier()
+    return out
+
+
+def test_a_pipelines_set_up_refusal_fails_its_data_parallel_peers_promptly(launched4):
+    """Note [micro-batch counts that differ across ranks] with data-parallel peers: pipeline 0's ranks refused
+    the set-up at once, but the other pipeline's ranks waited in reductions pipeline 0 never issues, learning
+    only at the refusing process's end (a StallError naming no cause) or the collective timeout (20 s here).
+    The refusal is published to the data-parallel peers (Note [a first-step failure told to the data-parallel
+    peers]): every rank raises the refusal's message within 5 s."""
+    for rank, out in enumerate(results_of(launched4, "dp peer set-up refusal")):
+        for wrap, (seconds, raised) in out.items():
+            assert raised is not None and "split the batch into different numbers of micro-batches: " \
+                "n_microbatches=4 at stage 0 (rank 0 of the pipeline's group), n_microbatches=8 at stage 1" \
+                in raised, (rank, wrap, raised)
+            assert seconds < 5, (rank, wrap, seconds, raised)
+
+
 def _failures_counted(schedule) -> int:
     """The failed steps this rank counted in its stage's data-parallel group, for a peer's wait (Note [the next
     step waits until the peers were told] in fusedist/_pipeline_told_peers.py)."""
@@ -1778,6 +1817,8 @@ def launched4(request, tmp_path_factory):
         "test_a_retried_step_is_refused_on_every_rank_where_a_peer_reaches_its_reductions_late": {  # (it too)
             "retry past the wait": (under_env, PROMPT_PROBE, _retry_racing_peer_worker, seed, 2,
                                     float(PROMPT_PROBE["FUSEDIST_DIVERGENCE_PROBE_S"]) + MARGIN_S + 1.0)},
+        "test_a_pipelines_set_up_refusal_fails_its_data_parallel_peers_promptly": {  # (it too)
+            "dp peer set-up refusal": (under_env, PROMPT_PROBE, _dp_setup_refusal_worker, seed)},
     })
     return {"seed": seed, **launch_for_selected(request, jobs, 4, timeout=600)}
 

@@ -29,14 +29,13 @@ import contextlib
 import os
 import statistics
 import sys
-import time
 
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from benchmarks._common import add_run_options, environment, record_results  # noqa: E402
+from benchmarks.bench_ddp_step_overhead import _block  # noqa: E402 - one timing loop for both step benchmarks
 
 CONTENDERS = ("torch ZeRO", "fusedist ZeRO, FUSEDIST_CHECKS=1", "fusedist ZeRO, norms not carried",
               "fusedist ZeRO, FUSEDIST_CHECKS=0")
@@ -64,14 +63,6 @@ def _checks(name: str):
             os.environ["FUSEDIST_CHECKS"] = before
 
 
-def _block(model, opt, x, y, steps: int) -> tuple[float, float]:
-    """Wall and training-thread CPU milliseconds per step."""
-    t0, c0 = time.perf_counter(), time.thread_time()
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return (time.perf_counter() - t0) * 1e3 / steps, (time.thread_time() - c0) * 1e3 / steps
 
 
 def _optimizer(name: str, params):

@@ -73,8 +73,8 @@ def _worker(rank, world):
     out["hooks"] = _or_error(_hooks_kept_as_torchs, rank)
     out["subclass"] = _or_error(_subclasses_copied_as_torchs, rank)
     out["compiled in place"] = _or_error(_copy_of_a_model_compiled_in_place)
-    out["destroyed group"] = _or_error(_forwards_after_the_group_was_destroyed)
-    out["aborted group"] = _or_error(_forwards_after_the_group_was_aborted)
+    out["destroyed group"] = _or_error(_forwards_after_the_group_ended, "destroyed")
+    out["aborted group"] = _or_error(_forwards_after_the_group_ended, "aborted")
     out["inner copies"] = _or_error(_inner_module_copied_under_overlapped_gathers, rank)
     out["buffer futures"] = _or_error(_buffer_hook_futures_waited_where_torch_waits, rank)
     return out
@@ -194,37 +194,16 @@ def _inner_module_copied_under_overlapped_gathers(rank):
     return found
 
 
-def _forwards_after_the_group_was_destroyed():
-    """A training forward (with buffers to broadcast, and without) after one step and the group's destroy:
-    torch's DDP goes on with the group it holds; fusedist's forward raises (or the evaluation forward of a model
-    with nothing to broadcast runs, and gives the module's output)."""
-    import fusedist
-
-    found = {}
-    for who, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
-        for buffers in (True, False):
-            group = torch.distributed.new_group([0, 1])
-            model = cls(_net() if buffers else nn.Linear(6, 3), process_group=group)
-            x = torch.randn(8, 6)
-            model(x).sum().backward()
-            torch.distributed.destroy_process_group(group)
-            if not buffers:
-                with torch.no_grad():
-                    found[who, "evaluated"] = torch.equal(model(x), model.module(x))
-            try:
-                model(x).sum()
-                found[who, buffers] = "trained"
-            except RuntimeError as exc:
-                found[who, buffers] = str(exc)
-    return found
-
-
-def _forwards_after_the_group_was_aborted():
-    """As above, the group aborted (torch.distributed's ``_abort_process_group``) on both ranks instead: torch's
-    DDP trains on (gloo's abort ends nothing); fusedist's forward raises naming the abort."""
+def _forwards_after_the_group_ended(how: str):
+    """A training forward (with buffers to broadcast, and without) after one step and the group's end --
+    ``"destroyed"`` (destroy_process_group) or ``"aborted"`` (torch.distributed's ``_abort_process_group``)
+    on both ranks: torch's DDP goes on with the group it holds (gloo's abort ends nothing); fusedist's forward
+    raises naming the end (or the evaluation forward of a model with nothing to broadcast runs, and gives the
+    module's output)."""
     import fusedist
     from torch.distributed import distributed_c10d
 
+    end = torch.distributed.destroy_process_group if how == "destroyed" else distributed_c10d._abort_process_group
     found = {}
     for who, cls in (("torch", nn.parallel.DistributedDataParallel), ("fusedist", fusedist.DistributedDataParallel)):
         for buffers in (True, False):
@@ -232,7 +211,7 @@ def _forwards_after_the_group_was_aborted():
             model = cls(_net() if buffers else nn.Linear(6, 3), process_group=group)
             x = torch.randn(8, 6)
             model(x).sum().backward()
-            distributed_c10d._abort_process_group(group)
+            end(group)
             if not buffers:
                 with torch.no_grad():
                     found[who, "evaluated"] = torch.equal(model(x), model.module(x))
@@ -566,7 +545,8 @@ def test_a_forward_after_the_group_was_destroyed_is_refused_naming_the_group_and
         assert found["torch", "evaluated"] is found["fusedist", "evaluated"] is True, found
         for buffers in (True, False):
             message = found["fusedist", buffers]
-            assert message.startswith(f"fusedist.DistributedDataParallel (rank {rank} of 2): forward refused"), message
+            assert message.startswith(f"RuntimeError: fusedist.DistributedDataParallel (rank {rank} of 2): forward "
+                                      "refused"), message
             assert "process group was destroyed" in message and "model.module" in message, message
 
 

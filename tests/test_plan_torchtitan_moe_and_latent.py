@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from fusedist.plan import ModelSpec, activation_bytes
 from fusedist.plan.model import block_whole_bytes
 from fusedist.plan.torch_model import Transformer
-from test_plan_tensor_parallel_placements import _local
+from test_plan_tensor_parallel_placements import _local, _saved_through
 
 TP = 2
 B, S = 2, 8
@@ -27,22 +27,7 @@ B, S = 2, 8
 
 def _saved_bytes(module, x: torch.Tensor) -> int:
     """Bytes of the distinct storages autograd saves through ``module(x)`` on this rank, parameters left out."""
-    import torch.distributed._functional_collectives as funcol
-
-    params = {_local(p).untyped_storage().data_ptr() for p in module.parameters()}
-    seen = {}
-
-    def pack(t):
-        local = _local(t)
-        if isinstance(local, funcol.AsyncCollectiveTensor):
-            local = local.wait()
-        st = local.untyped_storage()
-        if st.data_ptr() not in params and st.nbytes():
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _local(module(x)).float().sum()
-    return sum(seen.values())
+    return _saved_through(module, lambda: _local(module(x)).float().sum())
 
 
 class _ExpertsByWidth(torch.nn.Module):

@@ -15,6 +15,7 @@ from typing_extensions import deprecated
 from ..comm import get_communicator
 from . import recovery
 from .state_dict_hooks import install_state_dict_hooks
+from .applied_once import refuse_sharded_again
 from .grads import UnitGrads
 from .held_alike import share_tensor_parallel_holder
 from .holder import holder_for
@@ -86,8 +87,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
 
     modules = members_of(module)
     for m in modules:
-        if state_of(m) is not None:
-            raise ValueError(f"fusedist.fully_shard: {type(m).__name__} is already sharded")
+        refuse_sharded_again(m)
         if isinstance(m, ReplicatedModule):
             raise ValueError(f"fusedist.fully_shard: {type(m).__name__} is replicated (fusedist.replicate); "
                              "shard the blocks first, or use fully_shard over a 2-D mesh (HSDP)")
@@ -251,9 +251,13 @@ class FullyShardedModule:
         Freeing them here failed the rest of the forward on the empty buffer, or computed
         silently with this rank's pieces (an empty output). Likewise during the unit's own
         backward (from a gradient hook), whose end reshards as ``reshard_after_backward`` says;
-        there it failed on the empty buffer ("storage of size 0"), as FSDP2's does."""
+        there it failed on the empty buffer ("storage of size 0"), as FSDP2's does. A gather
+        started by ``unshard(async_op=True)`` and not yet waited for is left in flight, as
+        FSDP2's (it frees only what landed): the handle's ``wait()`` still gives the gathered
+        parameters it promises, and the next forward uses them."""
         st = self._fs_state()
-        if st.unit is not None and not st.in_own_forward() and not st.in_own_backward():
+        if st.unit is not None and not st.in_own_forward() and not st.in_own_backward() \
+                and not (st.unit.gather_in_flight and not st.unit.is_unsharded):
             st.unit.reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:

@@ -53,6 +53,7 @@ from typing import Optional
 
 import torch
 
+from .gathered_optimizer import refuse_gathered_params
 from .dcp import ShardedPiece, describe_region, piece_region
 from .state_dict_hooks import as_entry, whole_of_dtensor, whole_to_piece
 from .torch_helpers import full_load_without_broadcast, torch_helper_options
@@ -75,6 +76,7 @@ def note_unit(unit) -> None:
 
 @torch.compiler.disable  # a global step hook: traced in a compiled step, it broke the graph inside torch's hook table
 def _before_step(optimizer, args, kwargs) -> None:
+    refuse_gathered_params(optimizer, _UNITS)  # Note [an optimizer over gathered parameters]
     if optimizer not in _TRACKED:
         _check_elementwise(optimizer)
         track_optimizer(optimizer)

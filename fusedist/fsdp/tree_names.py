@@ -204,6 +204,13 @@ def param_path(unit, index: int) -> str:
     return f"{unit.path}.{name}" if unit.path else name
 
 
+def unit_where(unit) -> str:
+    """``unit`` in a message: its module's path and class once the root named it, its class before."""
+    if unit.path is None:
+        return unit.name or "the root"
+    return f"'{unit.path}' ({unit.name})" if unit.path else f"the root ({unit.name})"
+
+
 def _names_in_unit(unit, modules: list) -> list:
     """Each parameter's name under ``modules`` (the unit's) as ``fully_shard`` names it: the first
     module holding it, in the order it walks them; its old name where no module holding it is left."""

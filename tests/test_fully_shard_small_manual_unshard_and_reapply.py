@@ -122,11 +122,7 @@ def _optimizer_over_gathered(rank, world):
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         if reshard_first:
             model[2].reshard()
-        try:
-            _train(model, optimizer, rank)
-            errors.append(None)
-        except RuntimeError as exc:
-            errors.append(str(exc))
+        errors.append(_refusal_of(_train, model, optimizer, rank))
 
     # a group added after the first step is checked too
     model = _shard(_model(2), fusedist.fully_shard)
@@ -134,17 +130,22 @@ def _optimizer_over_gathered(rank, world):
     _train(model, optimizer, rank)
     model[2].unshard()
     optimizer.add_param_group({"params": list(model[2].parameters())})
-    try:
-        _train(model, optimizer, rank)
-        errors.append(None)
-    except RuntimeError as exc:
-        errors.append(str(exc))
+    errors.append(_refusal_of(_train, model, optimizer, rank))
 
     model = _shard(_model(2), fusedist.fully_shard)
     model[2].unshard()
     model[2].reshard()
     trained = _train(model, torch.optim.SGD(model.parameters(), lr=LR), rank)
     return errors, expected, trained
+
+
+def _refusal_of(fn, *args):
+    """The text of the RuntimeError ``fn(*args)`` raises, or None."""
+    try:
+        fn(*args)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 JOBS = {

@@ -10,6 +10,8 @@ optimizers over one model] in fusedist/checkpoint/_optimizer_list.py), against t
 * Refused before anything changes: overlapping optimizers, a list of another length, or whose
   optimizer at a position runs another algorithm than the saved one (order, kind), one optimizer
   for a checkpoint of several, a model with state beyond its tensors.
+* A save of a list on rank 0 only (start exchange, or a DDP model's step check) says that every rank must
+  call it, as a save of one optimizer does.
 """
 
 from __future__ import annotations
@@ -181,6 +183,29 @@ def _diverged(rank: int, world: int, kind: str, directory: str) -> dict:
     return out
 
 
+def _saved_alone_with_a_list(rank: int, world: int, directory: str) -> dict:
+    """``rank_0_saves_alone``, then rank 0 alone saves the model with a list of two optimizers (a save of
+    the whole job, last: it gives the default group up) while rank 1 goes on to an all-reduce."""
+    import datetime
+    import traceback
+
+    from fusedist.comm import get_communicator
+
+    errors = rank_0_saves_alone(rank, world, directory)
+    model = _model()
+    optimizers = _optimizers(model)
+    get_communicator(None).timeout = datetime.timedelta(seconds=2)  # (the launch's default group waits minutes)
+    try:
+        if rank == 1:
+            get_communicator(None).all_reduce(torch.ones(3))
+        else:
+            ckpt.save(os.path.join(directory, "list"), model, optimizers)
+        errors["save of a list"] = None
+    except Exception:  # noqa: BLE001 - the test reads it
+        errors["save of a list"] = traceback.format_exc()
+    return errors
+
+
 SCENARIOS = {
     "test_a_save_of_a_list_refuses_diverged_ranks": {"diverged": (_diverged, ("torch", None))},
     "test_a_checkpointer_of_a_list_resumes_like_an_uninterrupted_run": {
@@ -188,7 +213,7 @@ SCENARIOS = {
     "test_a_list_resumes_like_an_uninterrupted_run": {
         kind: (_resume, (kind, None)) for kind in ("torch", "fused", "zero")},
     "test_a_save_on_rank_0_only_says_that_every_rank_must_call_it": {  # (last: it gives its group up)
-        "saved alone": (under_env, (SAVE_ALONE_ENV, rank_0_saves_alone, None))},
+        "saved alone": (under_env, (SAVE_ALONE_ENV, _saved_alone_with_a_list, None))},
 }
 
 
@@ -203,9 +228,20 @@ def launched(request, tmp_path_factory):
 
 
 def test_a_save_on_rank_0_only_says_that_every_rank_must_call_it(launched):
-    """torch.save's habit, ``if rank == 0: save(...)`` (plain and Checkpointer): rank 0's error names
-    rank 1 and says what to do."""
-    check_rank_0_saves_alone(results_of(launched, "saved alone"))
+    """torch.save's habit, ``if rank == 0: save(...)`` (plain, Checkpointer, and a list of optimizers): rank
+    0's error names rank 1 and says what to do."""
+    errors = results_of(launched, "saved alone")
+    check_rank_0_saves_alone(errors)
+    text0, text1 = errors[0]["save of a list"], errors[1]["save of a list"]
+    assert text0 is not None and text1 is not None, errors
+    opening = "fusedist.checkpoint.save: rank 0's save could not start: rank(s) [1] did not join it."
+    said = [line for line in text0.splitlines() if opening in line]
+    assert said and re.match(r"fusedist\.(comm\.base\.CollectiveError|reliability\.monitor\.StallError): ",
+                             said[-1]), text0
+    assert "every rank of the group must call it" in said[-1] and "if rank == 0:" in said[-1], text0
+    assert said[-1].count("could not start") == 1, text0  # said once, not by each layer of the save
+    raised_last = text1.rsplit("the following exception:", 1)[-1]  # rank 1 ends with a failed collective
+    assert re.search(r"^fusedist\.[\w.]+\.(CollectiveError|StallError): ", raised_last, re.MULTILINE), text1
 
 
 @pytest.mark.parametrize("kind", ["torch", "zero"])
@@ -354,3 +390,25 @@ def test_a_fused_optimizer_takes_the_state_of_torchs_in_a_list(tmp_path):
              torch.optim.SGD(fresh[3].parameters(), lr=5e-2, momentum=0.9)]
     ckpt.load(directory, fresh, fused)
     torch.testing.assert_close(_train(fresh, fused, range(2, 4)), ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_a_list_save_whose_step_check_fails_says_that_every_rank_must_call_it(tmp_path, monkeypatch):
+    """The step check of a fusedist DDP model is the first collective of a list's save: its failure (a peer
+    that never called the save) begins with the same guidance as the start exchange's, and keeps its type."""
+    from fusedist.checkpoint import api
+    from fusedist.comm.base import CollectiveError
+
+    def step_check_not_joined(model, optimizer):
+        raise CollectiveError("all_gather [ddp: step check] timed out", op="all_gather", tag="ddp: step check",
+                              rank=0)
+
+    monkeypatch.setattr(api, "_check_ranks_agree", step_check_not_joined)
+    model = _model()
+    with pytest.raises(CollectiveError) as raised:
+        ckpt.save(str(tmp_path / "list"), model, _optimizers(model))
+    text = str(raised.value)
+    assert text.startswith("fusedist.checkpoint.save: rank 0's save could not start: some rank of the group did "
+                           "not join it"), text
+    assert "every rank of the group must call it" in text and "'ddp: step check'" in text, text
+    assert text.endswith("That error: all_gather [ddp: step check] timed out"), text
+    assert not os.path.exists(tmp_path / "list")

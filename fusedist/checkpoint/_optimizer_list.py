@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _checks, _files, _names
+from . import _checks, _files, _names, _save_entry
 from ._files import CheckpointError
 from ._params import optimizer_params, param_names
 
@@ -231,7 +231,9 @@ def save(directory: str, model, optimizers, scaler, extra, per_rank, process_gro
         return api.save(directory, model, optimizers[0], scaler, extra, per_rank=per_rank, process_group=process_group)
     _refuse_group(process_group, "save")
     parts = views(model, optimizers, "save")
-    api._check_ranks_agree(model, None)  # a fusedist DDP model's step check (the views are bare modules)
+    # Note [a save called on some ranks only] in _save_entry.py: the step check is the save's first collective
+    with _save_entry.entered_by_every_rank("fusedist.checkpoint.save"):
+        api._check_ranks_agree(model, None)  # a fusedist DDP model's step check (the views are bare modules)
     pipeline.save(directory, parts, list(optimizers), scaler, extra, per_rank=per_rank,
                   optimizer_list=classes(optimizers))
 

@@ -48,7 +48,7 @@ import torch
 
 from ..zero import ZeroRedundancyOptimizer
 from ..zero import state as zstate
-from . import (_checks, _files, _from_dcp, _given_up, _load_plan, _names, _pipeline_dcp, _sections,
+from . import (_checks, _files, _from_dcp, _given_up, _load_plan, _names, _pipeline_dcp, _save_entry, _sections,
                _which_checkpoint, api, stage3)
 from ._files import CheckpointError
 from ._optimizer_list import MANIFEST_KEY
@@ -164,41 +164,43 @@ def save(directory: str, model, optimizer=None, scaler=None, extra: Optional[dic
     optimizers over one model] in ``_optimizer_list.py``)."""
     _given_up.settle()  # Note [a plain save given up on] in _given_up.py
     started = time.time()
-    held = parts(model, optimizer)
-    for module, opt in held:
-        api._check_ranks_agree(module, opt)
-    job = job_world()
-    stages = [api._World(opt, module, process_group) for module, opt in held]
-    # No exchange over the stages' groups: ranks naming groups that do not agree would wait
-    # in one for a peer that is in another; check_stages reports them on every rank instead.
-    members = [tuple(w.ranks()) for w in stages]
-    api._warn_trusted_only(job.rank, None, extra, per_rank)
-    for (_, opt), w in zip(held, stages):  # each stage's first rank writes its param groups
-        api._warn_trusted_only(w.rank, opt, None, None)
-    shapes, keys, digests, failure = {}, [], {}, None
-    try:  # (a user's state_dict hook may raise: Note [a failed save leaves nothing] in _failed_save.py)
-        shapes = {f"part {j} of ranks {list(members[j])}": _sections.model_shapes(module)
-                  for j, (module, _) in enumerate(held)}
-        keys = [sorted(part) for part in shapes.values()]
-        digests = {part: _checks.keys_digest(s) for part, s in shapes.items()}
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by start_save
-        failure = exc
-    optimizers = [_checks.optimizer_passed(opt) for _, opt in held]
-    call = _checks.save_call(directory, None, scaler, extra, per_rank)
-    del call["optimizer"]  # compared within each stage (Note [an optimizer per pipeline stage] in _checks.py)
+    # Note [a save called on some ranks only] in _save_entry.py: its entry, up to its start exchange
+    with _save_entry.entered_by_every_rank("fusedist.checkpoint.save"):
+        held = parts(model, optimizer)
+        for module, opt in held:
+            api._check_ranks_agree(module, opt)
+        job = job_world()
+        stages = [api._World(opt, module, process_group) for module, opt in held]
+        # No exchange over the stages' groups: ranks naming groups that do not agree would wait
+        # in one for a peer that is in another; check_stages reports them on every rank instead.
+        members = [tuple(w.ranks()) for w in stages]
+        api._warn_trusted_only(job.rank, None, extra, per_rank)
+        for (_, opt), w in zip(held, stages):  # each stage's first rank writes its param groups
+            api._warn_trusted_only(w.rank, opt, None, None)
+        shapes, keys, digests, failure = {}, [], {}, None
+        try:  # (a user's state_dict hook may raise: Note [a failed save leaves nothing] in _failed_save.py)
+            shapes = {f"part {j} of ranks {list(members[j])}": _sections.model_shapes(module)
+                      for j, (module, _) in enumerate(held)}
+            keys = [sorted(part) for part in shapes.values()]
+            digests = {part: _checks.keys_digest(s) for part, s in shapes.items()}
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by start_save
+            failure = exc
+        optimizers = [_checks.optimizer_passed(opt) for _, opt in held]
+        call = _checks.save_call(directory, None, scaler, extra, per_rank)
+        del call["optimizer"]  # compared within each stage (Note [an optimizer per pipeline stage] in _checks.py)
 
-    def check(infos: list) -> None:
-        check_stages([m for m, *_ in infos])
-        _checks.check_stage_optimizers([[((ranks, j), f"part {j} of ranks {list(ranks)}", opt)
-                                         for j, (ranks, opt) in enumerate(zip(m, o))] for m, _, _, o in infos],
-                                       "fusedist.checkpoint.save", "written")
-        _checks.check_same_keys([d for _, _, d, _ in infos], lambda: job.all_gather(shapes, "save: model keys"),
-                                "fusedist.checkpoint.save")  # Note [one model per save]: the ranks of a stage
-        check_names({(tuple(ranks), j): part_keys for members_of, keys_of, *_ in infos
-                     for j, (ranks, part_keys) in enumerate(zip(members_of, keys_of))})
+        def check(infos: list) -> None:
+            check_stages([m for m, *_ in infos])
+            _checks.check_stage_optimizers([[((ranks, j), f"part {j} of ranks {list(ranks)}", opt)
+                                             for j, (ranks, opt) in enumerate(zip(m, o))] for m, _, _, o in infos],
+                                           "fusedist.checkpoint.save", "written")
+            _checks.check_same_keys([d for _, _, d, _ in infos], lambda: job.all_gather(shapes, "save: model keys"),
+                                    "fusedist.checkpoint.save")  # Note [one model per save]: the ranks of a stage
+            check_names({(tuple(ranks), j): part_keys for members_of, keys_of, *_ in infos
+                         for j, (ranks, part_keys) in enumerate(zip(members_of, keys_of))})
 
-    save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys, digests, optimizers), check,
-                                                  failure)
+        save_id, calls, claim, infos = api.start_save(job, directory, call, (members, keys, digests, optimizers), check,
+                                                      failure)
     mine, entries, error = {}, {}, None
     try:  # (every failure up to finish_save is reported on every rank: Note [waiting for a peer's I/O])
         order = stage_order([m for m, *_ in infos])

@@ -14,6 +14,7 @@ Note [reading a key without waiting]
 
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 #: What ``compare_set`` returns for a missing key: never the value of an entry (fusedist writes text or JSON).
@@ -32,3 +33,9 @@ def read_now(store, key: str) -> Optional[bytes]:
     if isinstance(value, str):
         value = value.encode()
     return None if value == _ABSENT.encode() else value
+
+
+def read_json_now(store, key: str) -> Optional[dict]:
+    """The JSON entry under ``key``, or None where there is none, without waiting for it (:func:`read_now`)."""
+    value = read_now(store, key)
+    return json.loads(value.decode()) if value is not None else None

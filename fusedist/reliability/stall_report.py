@@ -26,7 +26,7 @@ import weakref
 from typing import Optional
 
 from ..comm.base import global_note
-from ..comm.store_reads import read_now
+from ..comm.store_reads import read_json_now as _read  # never waits: Note [reading a key without waiting]
 
 #: Keys live under this prefix in the process group's store.
 KEY_PREFIX = "fusedist/stall"
@@ -221,13 +221,6 @@ def read_entries(store, group: str, generation: int, ranks: list) -> Optional[di
     except Exception:  # noqa: BLE001 - a probe or report never fails because the store is odd
         return None
     return found
-
-
-def _read(store, key: str) -> Optional[dict]:
-    """The entry under ``key``, or None; never waits for it: a peer may withdraw it between a check and a get
-    (Note [reading a key without waiting] in comm/store_reads.py)."""
-    value = read_now(store, key)
-    return json.loads(value.decode()) if value is not None else None
 
 
 def collect(store, group: str, generation: int, ranks: list[int], window_s: float) -> dict[int, dict]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from ..comm.store_reads import read_now
+from ..comm.store_reads import read_json_now
 from . import stall_report
 
 
@@ -103,8 +103,7 @@ def drop_kept() -> None:
 
 
 def _read(store, global_rank: int) -> Optional[dict]:
-    record = read_now(store, _key(global_rank))  # (never waits: Note [reading a key without waiting])
-    return json.loads(record.decode()) if record is not None else None
+    return read_json_now(store, _key(global_rank))  # (never waits: Note [reading a key without waiting])
 
 
 def _waits_for(blocked: dict, peer: Optional[dict]) -> bool:

@@ -309,30 +309,29 @@ class _FusedistSyncBatchNorm(TorchSyncBatchNorm):
         return _revert_sync_batchnorm(model)
 
 
-def _revert_sync_batchnorm(module: torch.nn.Module, done: dict | None = None) -> torch.nn.Module:
+def _revert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
     """fusedist's SyncBatchNorm layers back to BatchNorm on the same tensors (Lightning's
     TorchSyncBatchNorm.revert, for fusedist's class). A layer held under several names (applied
     twice, shared by branches) becomes one BatchNorm under all of them, as the conversion made it
-    one SyncBatchNorm (Note [a layer held under several names] in fusedist/nn/_convert.py);
-    ``done``: the modules met so far, by id."""
+    one SyncBatchNorm (the same walk: Note [a layer held under several names] in fusedist/nn/_convert.py)."""
+    from fusedist.nn._convert import replaced_tree
+
+    return replaced_tree(module, lambda m, _path: _reverted(m))
+
+
+def _reverted(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` as a BatchNorm on the same tensors where it is a fusedist SyncBatchNorm, else itself."""
     from lightning.pytorch.plugins.layer_sync import _BatchNormXd
 
-    done = {} if done is None else done
-    if id(module) in done:
-        return done[id(module)]
-    converted = done[id(module)] = module
-    if isinstance(module, fusedist.nn.SyncBatchNorm):
-        converted = _BatchNormXd(module.num_features, module.eps, module.momentum, module.affine,
-                                 module.track_running_stats)
-        if module.affine:
-            converted.weight, converted.bias = module.weight, module.bias
-        converted.running_mean, converted.running_var = module.running_mean, module.running_var
-        converted.num_batches_tracked = module.num_batches_tracked
-        converted.training = module.training
-        done[id(module)] = converted
-    for name, child in list(module._modules.items()):  # (every name: named_children() yields a shared child once)
-        if child is not None:
-            converted.add_module(name, _revert_sync_batchnorm(child, done))
+    if not isinstance(module, fusedist.nn.SyncBatchNorm):
+        return module
+    converted = _BatchNormXd(module.num_features, module.eps, module.momentum, module.affine,
+                             module.track_running_stats)
+    if module.affine:
+        converted.weight, converted.bias = module.weight, module.bias
+    converted.running_mean, converted.running_var = module.running_mean, module.running_var
+    converted.num_batches_tracked = module.num_batches_tracked
+    converted.training = module.training
     return converted
 
 

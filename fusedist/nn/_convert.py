@@ -12,15 +12,29 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from . import _outside_group as outside_group
 
 
-def convert_tree(cls, module: torch.nn.Module, process_group, path: str = "",
-                 done: dict | None = None) -> torch.nn.Module:
-    """``cls.convert_sync_batchnorm(module, process_group)``, ``module`` found at ``path`` in the
-    model being converted; ``done``: the modules converted so far, by id, with what they became
-    (Note [a layer held under several names])."""
+def replaced_tree(module: torch.nn.Module, replace, path: str = "", done: dict | None = None) -> torch.nn.Module:
+    """``module`` with each module of its tree replaced by ``replace(module, path)`` under every name it is
+    held by, a module met again becoming what it became the first time (Note [a layer held under several
+    names]); ``done``: the modules replaced so far, by id, with what they became."""
     done = {} if done is None else done
     if id(module) in done:
         return done[id(module)][1]
-    converted = module
+    converted = replace(module, path)
+    done[id(module)] = (module, converted)  # (the module itself is kept alive so that its id stays its own)
+    for name, child in list(module._modules.items()):
+        if child is not None:
+            converted.add_module(name, replaced_tree(child, replace, f"{path}.{name}" if path else name, done))
+    return converted
+
+
+def convert_tree(cls, module: torch.nn.Module, process_group) -> torch.nn.Module:
+    """``cls.convert_sync_batchnorm(module, process_group)``."""
+    return replaced_tree(module, lambda m, path: _converted(cls, m, process_group, path))
+
+
+def _converted(cls, module: torch.nn.Module, process_group, path: str) -> torch.nn.Module:
+    """``module`` (found at ``path`` in the model being converted) as a ``cls`` layer where it is a BatchNorm,
+    else ``module`` itself."""
     if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
         # Its num_features is 0 until the first forward: the converted layer would expect
         # 0 channels and fail with a misleading message at its first call.
@@ -29,29 +43,25 @@ def convert_tree(cls, module: torch.nn.Module, process_group, path: str = "",
             "uninitialized (num_features is inferred at its first forward); run one forward "
             "of the model before converting it"
         )
+    if not isinstance(module, _BatchNorm):
+        return module
     # A SyncBatchNorm (ours included) is rebuilt too, as torch's conversion does: it
     # takes the process_group given now instead of silently keeping its old one.
-    if isinstance(module, _BatchNorm):
-        _warn_dropped(module, path)
-        extra = {} if getattr(module, "bias", None) is not None or not module.affine else {"bias": False}
-        converted = cls(module.num_features, module.eps, module.momentum, module.affine,
-                        module.track_running_stats, process_group, **extra)
-        if module.affine:
-            with torch.no_grad():
-                converted.weight = module.weight
-                converted.bias = module.bias
-        converted.running_mean = module.running_mean
-        converted.running_var = module.running_var
-        converted.num_batches_tracked = module.num_batches_tracked
-        converted.training = module.training
-        outside_group.remember(converted, path)  # named in its warning: Note [a rank outside the layer's group]
-        if hasattr(module, "qconfig"):
-            converted.qconfig = module.qconfig
-    done[id(module)] = (module, converted)  # (the module itself is kept alive so that its id stays its own)
-    for name, child in list(module._modules.items()):
-        if child is not None:
-            sub = f"{path}.{name}" if path else name
-            converted.add_module(name, convert_tree(cls, child, process_group, sub, done))
+    _warn_dropped(module, path)
+    extra = {} if getattr(module, "bias", None) is not None or not module.affine else {"bias": False}
+    converted = cls(module.num_features, module.eps, module.momentum, module.affine,
+                    module.track_running_stats, process_group, **extra)
+    if module.affine:
+        with torch.no_grad():
+            converted.weight = module.weight
+            converted.bias = module.bias
+    converted.running_mean = module.running_mean
+    converted.running_var = module.running_var
+    converted.num_batches_tracked = module.num_batches_tracked
+    converted.training = module.training
+    outside_group.remember(converted, path)  # named in its warning: Note [a rank outside the layer's group]
+    if hasattr(module, "qconfig"):
+        converted.qconfig = module.qconfig
     return converted
 
 

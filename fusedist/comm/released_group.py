@@ -125,7 +125,8 @@ def held_elsewhere(comm) -> Optional[object]:
     return ref() if ref is not None else None
 
 
-def _which(on_default_group: bool) -> str:
+def which_group(on_default_group: bool) -> str:
+    """The group as messages name it."""
     return "default process group" if on_default_group else "process group"
 
 
@@ -138,12 +139,12 @@ def refused_error(op: str, tag: str, rank: int, world_size: int, on_default_grou
     where = f"fusedist {op}{_tag(tag)} on rank {rank} of {world_size}: not launched"
     if aborted is None:
         return RuntimeError(
-            f"{where}, the {_which(on_default_group)} of this communicator was destroyed "
+            f"{where}, the {which_group(on_default_group)} of this communicator was destroyed "
             "(torch.distributed.destroy_process_group()); get a communicator for a live group "
             "(fusedist.comm.get_communicator) and rebuild what holds the old one (DDP, ZeRO)")
     earlier = f", after an earlier collective of it failed ({failed_before})" if failed_before else ""
     return RuntimeError(
-        f"{where}: the {_which(on_default_group)} of this communicator can no longer run collectives: "
+        f"{where}: the {which_group(on_default_group)} of this communicator can no longer run collectives: "
         f"{aborted}{earlier}. Re-create the process group on every rank (torch.distributed.destroy_process_group() "
         "+ init_process_group(), or a new torch.distributed.new_group()), get a communicator for it "
         "(fusedist.comm.get_communicator) and rebuild what holds the old one (DDP, ZeRO)")
@@ -153,6 +154,6 @@ def ended_under_collective(on_default_group: bool) -> str:
     """Why a collective in flight could not complete when its group was destroyed under it (from another thread:
     a signal handler, a watchdog that tears the job down); alone, its wait's end would read as a peer that never
     joined."""
-    return (f"the {_which(on_default_group)} was destroyed (torch.distributed.destroy_process_group()) while this "
+    return (f"the {which_group(on_default_group)} was destroyed (torch.distributed.destroy_process_group()) while this "
             "collective was in flight, so it could not complete; destroy a group only once its collectives have "
             "finished")

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from ..comm.base import CollectiveError
+from ..comm.released_group import which_group
 
 
 def group_destroyed(comm) -> bool:
@@ -58,7 +59,7 @@ def refuse_forward_on_destroyed_group(wrapper) -> None:
         return
     if not (torch.is_grad_enabled() or wrapper.will_sync_module_buffers() or wrapper._join_config.enable):
         return
-    which = "default process group" if getattr(comm, "_on_default_group", False) else "process group"
+    which = which_group(getattr(comm, "_on_default_group", False))
     if aborted is not None:
         raise CollectiveError(
             f"fusedist.DistributedDataParallel (rank {comm.rank} of {comm.world_size}): forward refused: this "

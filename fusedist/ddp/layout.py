@@ -161,6 +161,18 @@ def slot_geometry(param: torch.Tensor, record: tuple) -> tuple:
     return tuple(param.shape), tuple(param.stride())
 
 
+def _cut_slot(entry: "ParamSlot", empty, storage, offset: int, shape: tuple, strides) -> torch.Tensor:
+    """Set a new tensor (made by ``empty``) onto ``storage`` at ``offset`` with ``shape`` and
+    ``strides`` (None: row-major) and make it ``entry``'s slot, remembering where it was cut."""
+    slot = empty(0)
+    if strides is None:
+        slot.set_(storage, offset, shape)
+    else:
+        slot.set_(storage, offset, shape, strides)
+    entry.view, entry.ptr = slot, slot.data_ptr()
+    return slot
+
+
 def slot_order(param: torch.Tensor) -> tuple:
     """The strides that order ``param``'s slot (:func:`shaped_like`), ``()`` when row-major. Ranks
     whose slots order a parameter differently (channels_last on one rank only) would reduce
@@ -224,30 +236,17 @@ class GradLayout:
         data, start = bucket.data, bucket.start
         storage, base, empty = data.untyped_storage(), data.storage_offset(), data.new_empty
         for p, off, record in zip(bucket.params, bucket.offsets, bucket.orders):
-            shape, strides = slot_geometry(p, record)
-            slot = empty(0)
-            if strides is None:
-                slot.set_(storage, base + off - start, shape)
-            else:
-                slot.set_(storage, base + off - start, shape, strides)
-            entry = self.slots[p]
-            entry.view, entry.ptr = slot, slot.data_ptr()
+            _cut_slot(self.slots[p], empty, storage, base + off - start, *slot_geometry(p, record))
 
     def recut(self, param: torch.nn.Parameter) -> torch.Tensor:
         """``param``'s slot cut anew on its bucket's storage, once its tensor was moved off it
         (``p.grad.data = t``, ``p.grad.set_(t)``): the moved tensor keeps the memory it was given."""
         slot = self.slots[param]
-        bucket = slot.bucket
+        bucket, data = slot.bucket, slot.bucket.data
         index = next(i for i, q in enumerate(bucket.params) if q is param)
+        offset = data.storage_offset() + slot.offset - bucket.start
         shape, strides = slot_geometry(param, bucket.orders[index])
-        data = bucket.data
-        view, offset = data.new_empty(0), data.storage_offset() + slot.offset - bucket.start
-        if strides is None:
-            view.set_(data.untyped_storage(), offset, shape)
-        else:
-            view.set_(data.untyped_storage(), offset, shape, strides)
-        slot.view, slot.ptr = view, view.data_ptr()
-        return view
+        return _cut_slot(slot, data.new_empty, data.untyped_storage(), offset, shape, strides)
 
     def record_orders(self) -> None:
         """Record each slot's order from its parameter as it is now (Note [slot order fixed at

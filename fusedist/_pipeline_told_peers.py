@@ -54,6 +54,7 @@ import time
 from typing import Optional
 
 from ._rank import this_rank
+from .comm.store_reads import read_count
 from .reliability import stall_report
 
 #: How long past the probe's delay a group the stage's gradients are not reduced over is waited for (the probe
@@ -207,7 +208,7 @@ def _untold(monitor) -> tuple:
 
 def _published(monitor, rank: int) -> int:
     """How many failures ``rank`` published to the monitor's group (0 where none)."""
-    return int(monitor.store.add(_count_key(monitor, rank), 0))
+    return read_count(monitor.store, _count_key(monitor, rank))
 
 
 def _count_key(monitor, rank: int) -> str:

@@ -62,13 +62,17 @@ def _save_worker(rank, world_size, directory):
     except CheckpointError as exc:
         out["sgd"] = str(exc)
 
-    # Many saves: the store holds no more keys after them than after the first.
+    # Many saves: the store holds no more keys after them than after the first. Each count is
+    # taken between two barriers: a rank gone on to its next save would add that save's keys.
     store = default_store()
+    torch.distributed.barrier()
     before = store.num_keys()
+    torch.distributed.barrier()
     for step in range(5):
         checkpoint.save(directory, model, opt, extra={"step": step})
     torch.distributed.barrier()
     out["keys_added"] = store.num_keys() - before
+    torch.distributed.barrier()
 
     # A save failing on rank 1 before its file is written: every rank is told at once, and
     # the beat of each process stops with the save.

@@ -85,3 +85,23 @@ def test_read_now_returns_a_present_value_and_none_for_a_missing_key():
     assert read_now(store, "present") == b"value"
     assert read_now(store, "missing") is None and not store.check(["missing"])  # (nothing written by the read)
     assert read_now(prefixed, "k") == b"v" and read_now(prefixed, "present") is None
+
+
+def test_polls_of_counters_leave_no_key_where_none_was():
+    """The polls a wait makes every second (any aborted process? any crash? how many failures did a peer
+    publish?) read their counters without creating them: ``store.add(key, 0)`` left one key per job and per
+    group in a TCPStore that never had one (a checkpoint save's store grew by a key when its barrier waited)."""
+    from types import SimpleNamespace
+
+    from fusedist import _pipeline_told_peers
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S))
+    monitor = SimpleNamespace(store=store, group_name="g", generation=0)
+    keys = store.num_keys()  # (the store's own, if any)
+    assert aborted_groups.aborted_peers(store, [1]) == {}
+    assert stall_report.crashed_peer(store, "g", 0, 0, 2) is None
+    assert _pipeline_told_peers._published(monitor, 1) == 0
+    assert store.list_keys() == [] and store.num_keys() == keys
+    # a counter that exists is read as add keeps it
+    store.add(_pipeline_told_peers._count_key(monitor, 1), 2)
+    assert _pipeline_told_peers._published(monitor, 1) == 2

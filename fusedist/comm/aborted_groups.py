@@ -41,7 +41,7 @@ import threading
 import weakref
 
 from .._process_hooks import chain_module_function
-from .store_reads import read_now
+from .store_reads import read_count, read_now
 
 _ABORTED = "aborted its process groups (torch.distributed's _abort_process_group), which closed the group's connections"
 
@@ -169,7 +169,7 @@ def aborted_peers(store, ranks: list) -> dict:
     """``{global rank: what it left}`` for each of ``ranks`` (global) that aborted all its process groups
     (Note [an abort told to waits in the store]); one store call while none did. Never raises."""
     try:
-        if int(store.add(f"{_RECORDS}/count", 0)) <= 0:
+        if read_count(store, f"{_RECORDS}/count") <= 0:
             return {}
         found = {}
         for rank in ranks:

@@ -10,6 +10,8 @@ Note [reading a key without waiting]
     waits: ``compare_set(key, absent, absent)`` returns the key's value where it exists and ``absent``, setting
     nothing, where it does not (the semantics of torch's TCPStore, its libuv server, FileStore, HashStore and
     PrefixStore alike). ``absent`` is a value no entry has. A store without ``compare_set`` is read as before.
+    A counter kept with ``store.add`` is read the same way (:func:`read_count`): ``add(key, 0)`` would create
+    the key on every store a poll found without it, one key per job or group left for the job's life.
 """
 
 from __future__ import annotations
@@ -39,3 +41,10 @@ def read_json_now(store, key: str) -> Optional[dict]:
     """The JSON entry under ``key``, or None where there is none, without waiting for it (:func:`read_now`)."""
     value = read_now(store, key)
     return json.loads(value.decode()) if value is not None else None
+
+
+def read_count(store, key: str) -> int:
+    """The counter ``store.add`` keeps under ``key``, 0 where it has none, read without creating it (Note
+    [reading a key without waiting])."""
+    value = read_now(store, key)
+    return int(value) if value is not None else 0

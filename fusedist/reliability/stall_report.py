@@ -26,6 +26,7 @@ import weakref
 from typing import Optional
 
 from ..comm.base import global_note
+from ..comm.store_reads import read_count
 from ..comm.store_reads import read_json_now as _read  # never waits: Note [reading a key without waiting]
 
 #: Keys live under this prefix in the process group's store.
@@ -180,7 +181,7 @@ def crashed_peer(store, group: str, generation: int, rank: int, world_size: int)
     did, or the store cannot say). One store call while none has, through the store itself; none of
     its calls waits for a key."""
     try:
-        if int(store.add(_crash_count_key(group, generation), 0)) == 0:
+        if read_count(store, _crash_count_key(group, generation)) == 0:
             return None
         for other in range(world_size):
             entry = _read(store, _key(group, generation, other)) if other != rank else None

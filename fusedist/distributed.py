@@ -21,6 +21,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import _group_table
+
 # Note [binding torch.distributed.nn early]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # torch.distributed.nn.functional writes ``group=group.WORLD`` as default arguments, which
@@ -37,14 +39,14 @@ import torch.distributed as dist
 # set back to None at once, as an import before the init leaves them; and the module
 # imported by the program (or torch) after the init, before fusedist: there the captured
 # group is torch's behaviour while it lives, and is replaced by None when torch destroys or
-# aborts it (wrapping torch's unregister calls, as Note [when torch forgets a group] in
-# fusedist/comm/group_ends.py does), never later used nor held. Those wrappers follow the rule of
+# aborts it (a callback of fusedist's one wrapper of torch's unregister calls, beside the release of Note [when
+# torch forgets a group] in fusedist/comm/group_ends.py: Note [one wrapper of torch's group-unregister functions]
+# in fusedist/_group_table.py), never later used nor held. Those wrappers follow the rule of
 # fusedist's other process-wide hooks: ``_process_hooks.uninstall()`` removes them, and the next
 # communicator lookup puts them back while a default still holds a live group (first dropping one
 # destroyed meanwhile): before, they were installed at import only, so after ``uninstall()`` a
 # destroyed group stayed held by those defaults for good, and was used by their next call.
 _NN_DEFAULTS_KEY = "torch.distributed.nn defaults: forget a destroyed group"
-_NN_UNREGISTERS = ("_unregister_process_group", "_unregister_all_process_groups")
 #: Whether a default of torch.distributed.nn held a group the program's own import captured, at the last look.
 _nn_defaults_followed = False
 
@@ -71,17 +73,11 @@ def follow_nn_defaults(start: bool = False) -> None:
     global _nn_defaults_followed
     if not (start or _nn_defaults_followed):
         return
-    from ._process_hooks import chain_module_function, installed
-
-    keys = [f"{_NN_DEFAULTS_KEY}: {name}" for name in _NN_UNREGISTERS]
-    if not start and set(keys) <= set(installed()):
+    if not start and _group_table.watching(_NN_DEFAULTS_KEY):
         return
     _nn_defaults_followed = _forget_captured_groups(_destroyed) > 0  # (one destroyed meanwhile: dropped now)
-    if _nn_defaults_followed:
-        from torch.distributed import distributed_c10d
-
-        for key, name in zip(keys, _NN_UNREGISTERS):
-            chain_module_function(key, distributed_c10d, name, _forgetting_after)
+    if _nn_defaults_followed:  # (one wrapper of torch's: Note [one wrapper of torch's group-unregister functions])
+        _group_table.after_groups_forgotten(_NN_DEFAULTS_KEY, _forget_destroyed)
 
 
 def _forget_captured_groups(forget) -> int:
@@ -104,26 +100,13 @@ def _forget_captured_groups(forget) -> int:
 
 
 def _destroyed(group) -> bool:
-    """Whether torch no longer has ``group`` (destroyed or aborted); False where its tables cannot say."""
-    from torch.distributed import distributed_c10d
-
-    pg_map = getattr(getattr(distributed_c10d, "_world", None), "pg_map", None)
-    return pg_map is not None and group not in pg_map
+    """Whether torch no longer has ``group`` (destroyed or aborted)."""
+    return not _group_table.is_alive(group)
 
 
-def _forgetting_after(unregister):
-    """torch's ``unregister``, then the destroyed groups dropped from torch.distributed.nn's defaults."""
-    def forgetting(*args, **kwargs):
-        try:
-            return unregister(*args, **kwargs)
-        finally:
-            try:
-                _forget_captured_groups(_destroyed)
-            except Exception:  # noqa: BLE001 - never fails torch's destroy: what it drops is a reference
-                pass
-    forgetting.__name__ = getattr(unregister, "__name__", forgetting.__name__)
-    forgetting.__wrapped__ = unregister
-    return forgetting
+def _forget_destroyed() -> None:
+    """Drop the destroyed groups from torch.distributed.nn's defaults (torch has just forgotten groups)."""
+    _forget_captured_groups(_destroyed)
 
 
 _bind_nn_defaults()

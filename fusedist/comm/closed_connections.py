@@ -16,7 +16,8 @@ Note [connections a peer closed]
     gloo_exchange.py), so each rank writes at most one per group. A rank that aborts its process
     groups writes that it did before it closes their connections (Note [aborting a group closes its
     connections] in aborted_groups.py), and that entry stays: the abort fails its own pending
-    exchanges next, whose errors are not the cause.
+    exchanges next, whose errors are not the cause. The entries go once every rank has left the group
+    (Note [the last rank to leave a group clears its entries] in reliability/group_left.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def _default_store():
         return distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no store: errors just say less
         return None
+
+
+def entry_keys(group_name: str, global_ranks: list) -> list:
+    """The keys the ranks ``global_ranks`` of the group named ``group_name`` may have written (Note [the last rank
+    to leave a group clears its entries] in reliability/group_left.py)."""
+    return [f"{_PREFIX}/{group_name}/{rank}" for rank in global_ranks]
 
 
 class PeerClosedConnection(RuntimeError):
@@ -73,7 +80,7 @@ class ClosedConnections:
         aborted_groups.watch(self)
 
     def _key(self, global_rank: int) -> str:
-        return f"{_PREFIX}/{self.group_name}/{global_rank}"
+        return entry_keys(self.group_name, [global_rank])[0]
 
     def publish(self, reason: str, final: bool = False) -> None:
         """Leave this rank's failure for its peers; never raises. After a ``final`` one (an abort, which fails

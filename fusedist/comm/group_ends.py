@@ -11,7 +11,9 @@ Note [when torch forgets a group]
     a release waits for the communicator's helper threads, which only the abort's closed connections
     (Note [aborting a group closes its connections] in aborted_groups.py) set free; the next lookup
     or the exit releases those groups, as before. An abort is told from a destroy by
-    ``aborted_groups.aborting()`` (Note [one wrapper of torch's abort] in aborted_groups.py).
+    ``aborted_groups.aborting()`` (Note [one wrapper of torch's abort] in aborted_groups.py). The wrappers of
+    the two unregister functions are fusedist's only ones, shared with torch.distributed.nn's defaults (Note [one
+    wrapper of torch's group-unregister functions] in fusedist/_group_table.py).
 
 Note [a communicator remembers its group's abort]
     Released at the next lookup, an aborted group's communicator read as a destroyed one, and before that as a
@@ -27,35 +29,24 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .._process_hooks import chain_module_function, installed
+from .._group_table import after_groups_forgotten
 from ..distributed import follow_nn_defaults
 from . import aborted_groups, released_group
 
-_KEYS = ("release a destroyed group: _unregister_process_group",
-         "release a destroyed group: _unregister_all_process_groups")
+#: The key of the release among the callbacks of torch's group-unregister functions (Note [one wrapper of torch's
+#: group-unregister functions] in fusedist/_group_table.py).
+_KEY = "release a destroyed group's communicators"
 
 
 def watch(on_forgotten: Callable[[bool], None]) -> None:
     """Call ``on_forgotten(aborted)`` each time torch forgets process groups (``aborted``: by an abort)."""
-    from torch.distributed import distributed_c10d
+    def forgotten():
+        aborted = aborted_groups.aborting()
+        if aborted:
+            _run(_mark_aborted, aborted)
+        _run(on_forgotten, aborted)
 
-    def after(forget):
-        def forgotten(*args, **kwargs):
-            try:
-                return forget(*args, **kwargs)
-            finally:
-                if _KEYS[0] in installed():
-                    aborted = aborted_groups.aborting()
-                    if aborted:
-                        _run(_mark_aborted, aborted)
-                    _run(on_forgotten, aborted)
-        forgotten.__name__ = getattr(forget, "__name__", forgotten.__name__)
-        forgotten.__doc__ = getattr(forget, "__doc__", None)
-        forgotten.__wrapped__ = forget
-        return forgotten
-
-    chain_module_function(_KEYS[0], distributed_c10d, "_unregister_process_group", after)
-    chain_module_function(_KEYS[1], distributed_c10d, "_unregister_all_process_groups", after)
+    after_groups_forgotten(_KEY, forgotten)
     aborted_groups.install()  # (tells an abort from a destroy: Note [one wrapper of torch's abort])
     follow_nn_defaults()  # (put back after uninstall() as these are: Note [binding torch.distributed.nn early])
 

@@ -55,9 +55,12 @@ from __future__ import annotations
 import weakref
 from typing import Optional
 
-import torch.distributed as dist
-
+from .. import _group_table
 from .checks import _tag
+
+#: Whether torch.distributed still has a group (not destroyed), asked of here by the comm and DDP modules; one
+#: source with the question fusedist/distributed.py asks (Note [one wrapper of torch's group-unregister functions]).
+is_alive = _group_table.is_alive
 
 
 #: Every TorchCommunicator built, held weakly (Note [a communicator built directly]).
@@ -77,17 +80,6 @@ def unreleased(besides) -> list:
     """The tracked communicators not released yet, other than those in ``besides`` (the cached ones)."""
     cached = {id(comm) for comm in besides}
     return [comm for comm in list(_built) if not comm.released and id(comm) not in cached]
-
-
-def is_alive(group) -> bool:
-    """Whether torch.distributed still has ``group`` (a group object, not None), i.e. it was not destroyed."""
-    world = getattr(dist.distributed_c10d, "_world", None)
-    pg_map = getattr(world, "pg_map", None)
-    if not dist.is_initialized():
-        return False
-    if pg_map is None:  # internals moved: the coarser public question only
-        return True
-    return group in pg_map
 
 
 def let_go(comm) -> None:

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 from ..comm.base import CollectiveError, CommHandle, Communicator, global_ranks
 from ..comm.exchange_progress import ExchangeWork
 from .._process_hooks import at_exit, chain_excepthook
-from . import stall_report, wait_cycle
+from . import group_left, stall_report, wait_cycle
 from .config import divergence_probe_s
 from .divergence import WaitProbe, peer_verdict, waiting_on
 
@@ -82,6 +82,11 @@ class CollectiveMonitor:
         self.published = ""
         #: Whether this rank's ``checking`` entry is in the store (Note [a rank behind at the check]).
         self.check_announced = False
+        #: The group's members (global ranks) and torch's name of it, for the entries its last rank to leave
+        #: deletes; whether this process has left it (Note [the last rank to leave a group clears its entries]).
+        self.members = global_ranks(comm) or list(range(comm.world_size))
+        self.torch_group_name = getattr(getattr(comm, "_closing", None), "group_name", "")
+        self.has_left = False
         #: What runs once before this monitor's next launch, by key (Note [work at a monitor's next launch]).
         self._before_launch: dict = {}
         if wait_cycle.kept is not None:  # (a group made after a verdict: its first launch is the process's too)
@@ -100,9 +105,11 @@ class CollectiveMonitor:
 
     def on_release(self, comm: Communicator) -> None:
         """The communicator's group was destroyed on this rank: the peers still in it read that this rank
-        left, as they would at its exit (where the released monitor may no longer exist to say so)."""
+        left, as they would at its exit (where the released monitor may no longer exist to say so); the last rank
+        to leave deletes the group's entries (Note [the last rank to leave a group clears its entries])."""
         if not _crashed:
             self.publish("exit", "")
+        group_left.leave(self)
 
     # ---- work at the next launch (Note [work at a monitor's next launch])
     def before_next_launch(self, key: str, action: Callable[[], None]) -> None:
@@ -235,8 +242,8 @@ class CollectiveMonitor:
 
     def publish(self, kind: str, error: str) -> None:
         """Leave a ``crash`` or ``exit`` entry for the survivors' stall reports."""
-        if self.reports:
-            return  # this rank already published a failure entry; keep it
+        if self.reports or self.has_left:
+            return  # this rank already published a failure entry (keep it), or left the group (no one reads it)
         if kind == "exit" and self.published:
             return  # (its crash, or its exit left at the group's destroy with the position then: kept)
         self.published = kind

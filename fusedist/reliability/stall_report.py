@@ -12,6 +12,8 @@ stuck outside fusedist collectives. Horovod's stall inspector is the model; unli
 exchange happens only on failure, so the steady state pays nothing. A rank waiting in
 ``check_consistency()`` leaves an entry too, removed when the check returns, and the report
 compares the ranks' training counters (Note [a rank behind at the check] in ``engine_watch.py``).
+A group's entries are deleted once every rank has left it (Note [the last rank to leave a group clears its
+entries] in ``group_left.py``).
 """
 
 from __future__ import annotations
@@ -125,6 +127,12 @@ def _bounded(store):
     return client
 
 
+def bounded(store):
+    """The client whose calls on ``store`` are bounded (Note [a bound of its own on the store]), for the modules
+    that write the group's entries beside this one."""
+    return _bounded(store)
+
+
 def _client_of(store):
     """A clone of ``store`` with the bound for its timeout, or ``store`` itself."""
     import torch.distributed as dist
@@ -165,6 +173,11 @@ def withdraw(store, group: str, generation: int, rank: int, bounded: bool = True
 
 def _crash_count_key(group: str, generation: int) -> str:
     return f"{KEY_PREFIX}/{group}/{generation}/crashed"
+
+
+def group_keys(group: str, generation: int, world_size: int) -> list:
+    """The keys this module writes for a group: each rank's entry and the crash counter."""
+    return [_key(group, generation, rank) for rank in range(world_size)] + [_crash_count_key(group, generation)]
 
 
 def count_crash(store, group: str, generation: int) -> None:

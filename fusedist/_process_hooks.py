@@ -22,7 +22,8 @@ fusedist reaches outside its own objects in a few places, and each is here:
   deadline of the collectives left pending (fusedist/comm/given_up_exit.py);
 * a chained ``sys.exit``, installed only once a communicator gave up: the status a program that
   caught the error asks for is noted, so the process ends with it right after the exit handlers
-  (fusedist/comm/given_up_exit.py);
+  (fusedist/comm/given_up_exit.py); and while a checkpoint save is in flight, so that a save lost
+  at exit keeps the program's own non-zero status (fusedist/checkpoint/_exit_status.py);
 * torch.distributed's internal functions that forget process groups (``_unregister_process_group``,
   ``_unregister_all_process_groups``, which every destroy and abort calls once the group is gone) and
   ``_abort_process_group``: a destroyed group's communicator is released at once
@@ -195,6 +196,14 @@ def installed() -> list[str]:
     """The keys of the hooks in place, in installation order."""
     with _lock:
         return list(_removers)
+
+
+def remove(key: str) -> None:
+    """Remove the hook installed under ``key``, if any (a later install puts it back)."""
+    with _lock:
+        remover = _removers.pop(key, None)
+    if remover is not None:
+        remover()
 
 
 def uninstall() -> None:

@@ -7,8 +7,9 @@ there); this file holds it and the single-process tests.
 from __future__ import annotations
 
 import os
+import time
 
-
+import pytest
 import torch
 from torch import nn
 
@@ -18,8 +19,9 @@ SAVE_ALONE_ENV = {"FUSEDIST_TIMEOUT_S": "2"}
 
 def rank_0_saves_alone(rank: int, world: int, directory: str) -> dict:
     """Rank 0 saves (the torch.save habit, ``if rank == 0``), by ``save`` then by a Checkpointer,
-    each over a group of its own (given up by it); rank 1 goes on to an all-reduce. The text of
-    each rank's error, by the save's kind."""
+    each over a group of its own (given up by it); rank 1 goes on to an all-reduce. Then rank 0
+    saves a DDP model while rank 1 runs its next training step. The text of each rank's error, and
+    how long it took to come, by the save's kind."""
     import traceback
 
     import torch.distributed as dist
@@ -31,15 +33,26 @@ def rank_0_saves_alone(rank: int, world: int, directory: str) -> dict:
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     errors = {}
-    for kind in ("save", "Checkpointer.save"):
+    for kind in ("save", "Checkpointer.save", "save of a DDP model"):
         group = dist.new_group(list(range(world)))
         checkpointer = None
         if kind == "Checkpointer.save":
             checkpointer = ckpt.Checkpointer(os.path.join(directory, "periodic"), async_save=False,
                                              process_group=group)
             checkpointer.restore(model, opt)
+        if kind == "save of a DDP model":
+            ddp, ddp_opt = _trained_ddp(group)
+        started = time.monotonic()
         try:
-            if rank == 1:
+            if kind == "save of a DDP model":
+                if rank == 1:  # its next step: the backward's bucket is its next collective
+                    # (a second later than rank 0's check: rank 0's entry, published as its wait times
+                    # out, is in the store when rank 1's own report is written, however loaded the host)
+                    time.sleep(1.0)
+                    ddp(torch.ones(2, 4)).sum().backward()
+                else:
+                    ckpt.save(os.path.join(directory, "ddp"), ddp, ddp_opt)
+            elif rank == 1:
                 get_communicator(group).all_reduce(torch.ones(3))
             elif checkpointer is None:
                 ckpt.save(os.path.join(directory, "plain"), model, opt, process_group=group)
@@ -48,7 +61,20 @@ def rank_0_saves_alone(rank: int, world: int, directory: str) -> dict:
             errors[kind] = None
         except Exception:  # noqa: BLE001 - the test reads it
             errors[kind] = traceback.format_exc()
+        errors[f"{kind} took"] = time.monotonic() - started
     return errors
+
+
+def _trained_ddp(group):
+    """A fusedist DDP model over ``group`` and its optimizer, after one step on every rank."""
+    from fusedist.ddp import DistributedDataParallel
+
+    ddp = DistributedDataParallel(nn.Linear(4, 4), process_group=group)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ddp(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return ddp, opt
 
 
 def check_rank_0_saves_alone(errors: list) -> None:
@@ -66,10 +92,32 @@ def check_rank_0_saves_alone(errors: list) -> None:
         assert "every rank of the group must call it" in said[-1] and "if rank == 0:" in said[-1], (kind, text0)
         assert first_tag in said[-1], (kind, text0)
         assert "CollectiveError" in text1.strip().splitlines()[-1], (kind, text1)
+    check_rank_1_reads_that_rank_0_saves(errors)
+
+
+def check_rank_1_reads_that_rank_0_saves(errors: list) -> None:
+    """Rank 0 saved a DDP model, whose step check is the save's first collective; rank 1 went on to
+    its next backward. Both fail at the collective timeout (no hang), rank 0 saying that rank 1 did
+    not join; rank 1's own error -- its bucket's -- says, in its stall report, that rank 0 is inside
+    fusedist.checkpoint.save (it showed rank 0 at a bare "ddp step check", inside check_consistency())."""
+    kind = "save of a DDP model"
+    text0, text1 = errors[0][kind], errors[1][kind]
+    assert text0 is not None and text1 is not None, errors
+    last0, last1 = text0.strip().splitlines(), text1.strip().splitlines()
+    assert any(line.startswith("fusedist.reliability.monitor.StallError: fusedist.checkpoint.save: rank 0's save "
+                               "could not start: rank(s) [1] did not join it.") for line in last0), text0
+    assert any(line.startswith("fusedist.reliability.monitor.StallError: fusedist: all_reduce (tag 'ddp bucket 0'")
+               for line in last1), text1
+    reached = "  ranks [0] reached all_reduce [fusedist.checkpoint.save: ddp step check]"
+    assert any(line.startswith(reached) for line in last1), text1  # what rank 1 is told of rank 0
+    assert any(line.startswith(reached) for line in last0), text0  # (and rank 0's own report alike)
+    timeout = float(SAVE_ALONE_ENV["FUSEDIST_TIMEOUT_S"])
+    for rank_errors in errors:  # the timeout, then at most the stall report's window (2 s here)
+        assert rank_errors[f"{kind} took"] < timeout + 2 + 4, rank_errors
 
 
 _SAVE_FAILING_AT_EXIT = """
-import atexit, time
+import atexit, sys, time
 atexit.register(lambda: print("an earlier exit handler ran", flush=True))
 from fusedist.checkpoint._writer import BackgroundWriter
 
@@ -83,19 +131,42 @@ print("the program ended", flush=True)
 """
 
 
-def test_a_save_that_fails_at_exit_ends_the_process_with_a_nonzero_status():
+@pytest.mark.parametrize("ending, status, said", [
+    ("", 1, "the process ends with status 1, not 0: the checkpoint was lost"),
+    ("sys.exit(3)", 3, "the process ends with status 3, the program's own")])
+def test_a_save_that_fails_at_exit_ends_the_process_with_a_nonzero_status(ending, status, said):
     """The checkpoint being written at exit is lost: the status says so, after the message and
-    after the other exit handlers ran."""
+    after the other exit handlers ran -- 1 where the program ended with 0, and the program's own
+    status where it chose one (``sys.exit(3)`` ended with 1 too)."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _SAVE_FAILING_AT_EXIT], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", _SAVE_FAILING_AT_EXIT + ending], capture_output=True, text=True,
+                          timeout=120)
     out = done.stdout
-    assert done.returncode == 1, (done.returncode, out, done.stderr)
+    assert done.returncode == status, (done.returncode, out, done.stderr)
     assert "the program ended" in out and "an earlier exit handler ran" in out, out
     lost = out.index("fusedist.checkpoint.Checkpointer: the checkpoint being written at exit was not completed: "
                      "RuntimeError: rank 1 closed the connection")
     assert lost < out.index("an earlier exit handler ran"), out
+    assert said in out[lost:].splitlines()[0], out
     # every exit handler runs once: one registered after the writer too (it ran twice when the
     # failed save's handler, run in the middle of the others, ran them all again)
     assert out.count("a later exit handler ran") == 1 and out.count("an earlier exit handler ran") == 1, out
+
+
+def test_sys_exit_is_pythons_own_once_no_save_is_in_flight():
+    """``sys.exit`` notes the program's status only while a save is in flight (Note [the status of a
+    save lost at exit]): a clean run's is Python's own once its saves were waited for."""
+    import sys
+
+    from fusedist.checkpoint import _exit_status
+    from fusedist.checkpoint._writer import BackgroundWriter
+
+    original = sys.exit
+    writer = BackgroundWriter("a writer")
+    writer.submit(lambda: None)
+    assert sys.exit is not original
+    writer.wait()
+    assert sys.exit is original
+    assert _exit_status.status_after_a_lost_save(0) == 1 and _exit_status.status_after_a_lost_save(3) == 3

@@ -73,6 +73,7 @@ def _save_worker(rank, world_size, directory):
     torch.distributed.barrier()
     out["keys_added"] = store.num_keys() - before
     torch.distributed.barrier()
+    out["checkpointer_keys"] = _checkpointer_key_counts(directory, model, opt, store)
 
     # A save failing on rank 1 before its file is written: every rank is told at once, and
     # the beat of each process stops with the save.
@@ -92,6 +93,26 @@ def _save_worker(rank, world_size, directory):
     return out
 
 
+def _checkpointer_key_counts(directory, model, opt, store) -> dict:
+    """The store's key count after each save of a Checkpointer keeping two checkpoints, saving in the
+    training thread and in the background, each count taken between two barriers."""
+    from fusedist import checkpoint
+
+    counts = {}
+    for kind, async_save in (("keep=2", False), ("async", True)):
+        saver = checkpoint.Checkpointer(f"{directory}-{kind}", keep=2, async_save=async_save)
+        saver.restore(model, opt)
+        counts[kind] = []
+        for step in range(1, 5):
+            saver.save(step)
+            saver.wait()
+            torch.distributed.barrier()
+            counts[kind].append(store.num_keys())
+            torch.distributed.barrier()
+        saver.close()
+    return counts
+
+
 def test_save_store_keys_beat_and_a_lambda_optimizer_factory(tmp_path):
     results = run_distributed(_save_worker, 2, str(tmp_path / "ckpt"), timeout=90)
     for out in results:
@@ -99,6 +120,9 @@ def test_save_store_keys_beat_and_a_lambda_optimizer_factory(tmp_path):
         assert out["shard_names"] == ("AdamW", "AdamW") and out["consolidated"] == ["exp_avg", "exp_avg_sq", "step"]
         assert "AdamW" in out["sgd"] and "SGD" in out["sgd"]
         assert out["keys_added"] == 0
+        # a Checkpointer keeps the I/O barrier keys of its last two saves only: no key is left per save
+        for kind, counts in out["checkpointer_keys"].items():
+            assert counts[1:] == [counts[1]] * len(counts[1:]), (kind, counts)
         assert "rank 1" in out["failed_save"] and "all-gather failed" in out["failed_save"]
         assert out["failed_in_s"] < 5.0
         assert not out["beat_running"]

@@ -10,6 +10,10 @@ save's entry -- its step check or its first exchange -- as a collective failure 
 ranks that did not join (from the stall report, when it tells) and says that every rank must call
 the save, then goes on with the collective's own error; it keeps its type (code that catches a failed
 collective still does). Nothing is exchanged for it: the healthy path is unchanged.
+
+The rank that did not call the save fails in its own next collective (a backward's bucket), at the
+same timeout. Its stall report shows where the saving ranks wait; their step check's collectives
+carry the save's name for it (Note [a step check inside a save] in step_check.py).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import re
 
 from ..comm.base import CollectiveError
+from ..reliability.step_check import inside_call
 
 #: A stall report's summary line: ``  ranks [0, 2] (global ranks ...) reached all_gather [tag] (collective #3)``.
 _REACHED = re.compile(r"^\s*ranks \[([\d, ]*)\][^\n]*? reached (\S+) \[([^\]\n]*)\]", re.MULTILINE)
@@ -63,9 +68,12 @@ def not_joined_words(what: str, exc: CollectiveError) -> str:
 def entered_by_every_rank(what: str):
     """Make a collective failure of the save's entry say who did not join it. The error keeps its
     type (a ``CollectiveError``, or a ``StallError`` with its report), so code that catches a failed
-    collective still does."""
+    collective still does. Its step check (a DDP or fully_shard model's) is tagged with ``what``, so
+    that a rank that did not call the save, failing in its own next collective, reads in its stall
+    report that its peers are inside it (Note [a step check inside a save] in step_check.py)."""
     try:
-        yield
+        with inside_call(what):
+            yield
     except CollectiveError as exc:
         if exc.rank >= 0 and exc.args and isinstance(exc.args[0], str):
             exc.args = (not_joined_words(what, exc) + exc.args[0],) + exc.args[1:]

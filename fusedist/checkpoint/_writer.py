@@ -32,7 +32,7 @@ from ..comm import aborted_groups, get_communicator
 from ..comm.objects import all_gather_object, broadcast_object
 from ..distributed import collective_timeout
 from .._process_hooks import at_exit
-from . import _destroy_waits
+from . import _destroy_waits, _exit_status
 
 
 class Coordinator:
@@ -496,6 +496,7 @@ class BackgroundWriter:
 
         self._error = None
         self.started = time.perf_counter()
+        _exit_status.watch()  # Note [the status of a save lost at exit] in _exit_status.py
         self._thread = threading.Thread(target=run, name=self.name, daemon=True)
         self._thread.start()
 
@@ -511,6 +512,8 @@ class BackgroundWriter:
             self._thread.join()
             self._thread = None
         error, self._error = self._error, None
+        if not any(w._thread is not None or w._error is not None for w in list(_live)):
+            _exit_status.unwatch()  # (no save in flight: sys.exit is Python's own again)
         if error is not None:
             raise error
 
@@ -524,8 +527,9 @@ def _join_live() -> None:
         writer.join()
 
 
-def _finish_at_exit() -> bool:
-    """Let the saves in flight end (Note [a save that fails at exit]); True where one failed."""
+def _finish_at_exit(status: Optional[int] = None) -> bool:
+    """Let the saves in flight end (Note [a save that fails at exit]); True where one failed. ``status``:
+    the program's, where the process will end by :func:`_end_failed` (its error says what it becomes)."""
     lost = False
     for writer in list(_live):
         try:
@@ -534,7 +538,8 @@ def _finish_at_exit() -> bool:
             lost = True
             print(f"{writer.name}: the checkpoint being written at exit was not completed: "
                   f"{type(exc).__name__}: {exc} (call the Checkpointer's wait() or close() before "
-                  "destroy_process_group() and exit: the save needs the process group to finish)", flush=True)
+                  "destroy_process_group() and exit: the save needs the process group to finish)"
+                  + ("" if status is None else f"; {_exit_status.words(status)}"), flush=True)
     return lost
 
 
@@ -548,7 +553,8 @@ def _finish_at_exit() -> bool:
 # run in the middle would run the newer ones twice). So the saves are finished earlier, at the
 # start of the interpreter's shutdown (threading's exit callbacks, before the exit handlers): where
 # one failed, a handler registered then is the newest; it runs the others, once, flushes the
-# standard streams and ends the process with status 1 -- as fusedist/comm/given_up_exit.py ends a
+# standard streams and ends the process with status 1 (or the program's own non-zero status: Note [the
+# status of a save lost at exit] in _exit_status.py) -- as fusedist/comm/given_up_exit.py ends a
 # process whose collectives were given up. The exit handler above stays for what remains (a writer
 # made during the shutdown): it can only say what was lost.
 _thread_exit_registered = False
@@ -568,11 +574,12 @@ def _finish_before_exit_handlers() -> None:
 
 
 def _finish_at_shutdown() -> None:
-    if _finish_at_exit():
-        atexit.register(_end_failed)  # the newest exit handler: it runs first
+    status = _exit_status.program_status()  # (main has ended: its sys.exit, if any, was noted)
+    if _finish_at_exit(status):
+        atexit.register(_end_failed, status)  # the newest exit handler: it runs first
 
 
-def _end_failed() -> None:
+def _end_failed(status: int) -> None:
     atexit.unregister(_end_failed)
     atexit._run_exitfuncs()  # (every other handler, once: none has run yet)
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
@@ -581,4 +588,4 @@ def _end_failed() -> None:
                 stream.flush()
         except Exception:  # noqa: BLE001 - a stream that cannot flush: nothing more to do for it
             pass
-    os._exit(1)
+    _exit_status.end(status)  # 1 for 0, else the program's (Note [the status of a save lost at exit])

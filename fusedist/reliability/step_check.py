@@ -66,7 +66,9 @@ Note [step check]
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
 import weakref
 import zlib
@@ -105,6 +107,7 @@ class StepCheck:
         #: The pending verdict's summed rows when the last bucket carried it (Note [the check carried
         #: by the last bucket] in carried_check.py), else None.
         self._tail: Optional[torch.Tensor] = None
+        self._pending_tag = tag  # the tag the pending check's all-reduce was launched with
         _checks.add(self)
         at_exit("report unread step-check verdicts", _report_unread_at_exit)  # Note [verdicts unread at exit]
 
@@ -131,7 +134,8 @@ class StepCheck:
                 self.buf[field].copy_(t)
                 self.buf[self.k + field].copy_(-t)
             detail = dict(detail, on_device=on_device)
-        handle = self.comm.all_reduce(self.buf, op="max", async_op=True, tag=self.tag)
+        self._pending_tag = tag = tag_inside_call(self.tag)  # Note [a step check inside a save]
+        handle = self.comm.all_reduce(self.buf, op="max", async_op=True, tag=tag)
         host = event = None
         if self.on_cuda:
             # Note [the check off the step's stream]
@@ -226,7 +230,7 @@ class StepCheck:
         if event is not None:
             event.synchronize()
             # wait() did not block the host: an aborted all-reduce would have left garbage.
-            self.comm.raise_if_failed(self.tag)
+            self.comm.raise_if_failed(self._pending_tag)
             reduced = host.tolist()
         else:
             reduced = self.buf.tolist()
@@ -263,6 +267,7 @@ class StepCheck:
         mine = torch.tensor(values, dtype=torch.int64, device=self.comm.device)
         everyone = torch.empty(self.comm.world_size * k, dtype=torch.int64, device=self.comm.device)
         try:
+            # (its own tag on every rank: an all-gather pairs by its tag, Note [a step check inside a save])
             self.comm.all_gather(everyone, mine, tag=f"{self.tag} details")
         except CollectiveError as exc:
             # Note [verdict without details] in step_check_text.py: the divergence is known from the reduction.
@@ -285,6 +290,40 @@ class StepCheck:
             detail = dict(detail, replica_lines=describe())  # (local: what this rank's replicas exchanged)
         raise RankMismatchError(render_mismatch(table, self.comm.rank, dict(detail, global_ranks=global_ranks(
             self.comm))))
+
+
+# Note [a step check inside a save]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``fusedist.checkpoint.save`` is a collective, and on a DDP or fully_shard model its first collective is
+# this check (``check_consistency()``, so that a diverged run is not saved). A rank that did not call the
+# save went on to its next collective -- a backward's bucket -- and its stall report showed its peers
+# "inside check_consistency()" at "all_reduce [ddp step check]": nothing said they were saving, and the
+# report's "behind by 1 backward" pointed at a skipped backward. While the save's entry runs
+# (``inside_call("fusedist.checkpoint.save")``), the check's collectives carry the call's name in their
+# tag, which every rank's report shows: "ranks [0] reached all_reduce [fusedist.checkpoint.save: ddp
+# step check]". An all-reduce pairs by order, size and op, never by its tag (Note [exchange tags] in
+# fusedist/comm/exchange_tags.py; the divergence probe compares no tags), so a healthy save pairs as
+# before; the details all-gather after a mismatch, which pairs by its tag, keeps its own. Per thread: a
+# save in a background thread does not rename the training thread's checks.
+_calls = threading.local()
+
+
+@contextlib.contextmanager
+def inside_call(name: str):
+    """Name the step checks this thread launches inside ``name`` (a collective call every rank must
+    make, e.g. ``fusedist.checkpoint.save``) after it (Note [a step check inside a save])."""
+    before = getattr(_calls, "name", None)
+    _calls.name = name
+    try:
+        yield
+    finally:
+        _calls.name = before
+
+
+def tag_inside_call(tag: str) -> str:
+    """``tag``, prefixed with the call this thread is inside of, if any."""
+    name = getattr(_calls, "name", None)
+    return tag if name is None else f"{name}: {tag}"
 
 
 def _reported_at(detail, where: str):

@@ -215,8 +215,8 @@ class CommHookStrategy(GradSyncStrategy):
         real = handle.hook_bucket._real  # a complex bucket as its real pairs (Note [complex buckets])
         result = _the_tensor(handle.wait())
         if not isinstance(result, torch.Tensor) or result.numel() != real.numel():
-            got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
-                   else type(result).__name__)
+            got = (f"a tensor of shape {tuple(result.shape)} and dtype {result.dtype} ({result.numel()} elements)"
+                   if isinstance(result, torch.Tensor) else type(result).__name__)
             pairs = " (its complex gradients as real pairs)" if bucket.dtype.is_complex else ""
             raise ValueError(
                 f"fusedist DDP (rank {reducer.comm.rank}): the communication hook {self.name} returned "

@@ -31,7 +31,9 @@ Note [gradients the user holds]
       remembers the address it was cut at (``ParamSlot.ptr``), and the hook (on the copy path,
       which reads the address anyway), this scan (where the slot is still ``p.grad``) and
       ``GradLayout.grad_view`` cut it anew on the bucket (``GradLayout.recut``); the moved tensor
-      keeps ``t``'s memory and is a fresh gradient to the hook, as torch averages ``p.grad``;
+      keeps ``t``'s memory and stays ``p.grad``, given each average as a gradient assigned by hand
+      (the reducer holds it while it is ``p.grad``: ``moved_grads``), so ``t`` itself receives the
+      averages, as under torch's default, where ``p.grad`` keeps ``t``'s memory;
     * a communication hook's ``bucket.gradients()`` are views of the bucket, as torch's, not the
       slot tensors: a hook keeping them across steps sees the buffer and holds no gradient.
     * the buckets' rebuild (after the first synchronized backward) moves each slot tensor that is
@@ -52,12 +54,17 @@ Note [gradients the user holds]
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 
 from .layout import alias_of
 
 _refs = sys.getrefcount
+
+#: reducer -> {parameter: its p.grad moved off its bucket by ``p.grad.data = t``}: held while it is
+#: ``p.grad``, so the gradient hook counts it as the user's (it stays ``p.grad``, given the average).
+moved_grads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _Slot:
@@ -93,14 +100,19 @@ def detach_kept_slots(reducer) -> None:
     """As a backward begins: move each slot tensor kept by someone while it is no longer
     ``p.grad`` onto a copy of its values, and cut its slot anew (Note [gradients the user holds])."""
     layout = reducer.layout
+    moved = moved_grads.get(reducer)
+    if moved:  # a moved gradient no longer p.grad (zero_grad, another assigned) is nobody's concern here
+        for p in [p for p, grad in moved.items() if p.grad is not grad or p not in layout.slots]:
+            del moved[p]
     kept = []
     for p, slot in layout.slots.items():
         view = slot.view
         if view is not None and _refs(view) > SLOT_IDLE:  # (p.grad, a C++ holder, counts one while it is the slot)
             if p.grad is not view:
                 kept.append((p, slot, view))
-            elif view.data_ptr() != slot.ptr:  # moved off the bucket by p.grad.data = t: it stays p.grad,
-                layout.recut(p)  # a fresh gradient to the hook, and the bucket gets a slot of its own again
+            elif view.data_ptr() != slot.ptr:  # moved off the bucket by p.grad.data = t: it stays p.grad on t's
+                layout.recut(p)  # memory, given the averages; the bucket gets a slot of its own again
+                moved_grads.setdefault(reducer, {})[p] = view
     if not kept:
         return
     with torch.no_grad():

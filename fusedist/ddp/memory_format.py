@@ -13,9 +13,13 @@ Note [memory format changed after wrapping]
     Every training forward looks at one parameter per bucket that a memory-format conversion
     changes (4-D or 5-D, not laid out the same in both formats): a whole-module conversion
     changes them all, so one look per bucket finds it (as ``converted_param`` does for dtypes),
-    at no per-parameter cost. When a view no longer points into its bucket, every bucket's
-    views are cut again from the bucket storage, keep the values the old ones held (a
-    ``no_sync`` accumulation, zeros) and become ``p.grad`` again.
+    at no per-parameter cost. When a view no longer points into its bucket, each such slot is
+    cut again on the bucket storage and keeps the values the old tensor held (a ``no_sync``
+    accumulation, zeros); that tensor, still ``p.grad``, is moved onto the new slot rather than
+    replaced, so a reference to ``p.grad`` held across the conversion (an optimizer's, a
+    logger's) stays the gradient, as under torch. A tensor moved in its slot's own order is no
+    conversion but ``p.grad.data = t`` by hand: it keeps ``t``'s memory and receives the averages
+    (Note [gradients the user holds] in held_grads.py).
 
     The slots keep the element order recorded when the buckets were cut (Note [slot order
     fixed at bucketing] in layout.py: the ranks agreed on it and ZeRO's shards follow it), so
@@ -32,6 +36,8 @@ import warnings
 import weakref
 
 import torch
+
+from .layout import slot_geometry
 
 
 # layout -> [(bucket, parameter, its slot, its slot's strides, its name)] of the parameters looked
@@ -102,24 +108,29 @@ def check_memory_format(reducer) -> None:
             )
 
 
+def _laid_out_as_slot(tensor, p, record) -> bool:
+    """Whether ``tensor`` has the shape and strides of ``p``'s slot: moved by ``p.grad.data = t``
+    rather than by a conversion, which changes the strides, it keeps ``t``'s memory as under torch."""
+    shape, strides = slot_geometry(p, record)
+    return tuple(tensor.shape) == shape and tuple(tensor.stride()) == (strides or _row_major(shape))
+
+
 @torch.no_grad()
 def reattach_views(reducer) -> None:
-    """Cut every allocated bucket's gradient views again where one no longer points into its
-    bucket, carrying the values it held, and hand them out as ``p.grad`` (gradient views)."""
+    """Cut each gradient slot again where its tensor no longer points into its bucket, carrying
+    the values it held; the moved tensor, where it is ``p.grad``, goes back onto the new slot (the
+    same object, as torch keeps ``p.grad``: a reference an optimizer holds sees the next averages)."""
     layout = reducer.layout
     for bucket in layout.buckets:
         if bucket.data is None:
             continue
-        stale = {}
-        for p in bucket.params:
-            view = layout.slots[p].view
-            if view is not None and _detached(view, bucket, layout.slots[p]):
-                stale[p] = view
-        if not stale:
-            continue
-        layout.cut_views(bucket)
-        for p, old in stale.items():
-            view = layout.slots[p].view
+        for p, record in zip(bucket.params, bucket.orders):
+            slot = layout.slots[p]
+            old = slot.view
+            if old is None or not _detached(old, bucket, slot) or _laid_out_as_slot(old, p, record):
+                continue  # (one moved in its slot's order is no conversion: Note [gradients the user holds])
+            view = layout.recut(p)
             view.copy_(old)
             if p.grad is old:
-                p.grad = view
+                old.set_(view)
+                slot.view = old

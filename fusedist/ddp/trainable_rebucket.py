@@ -11,7 +11,7 @@ import torch
 
 from ..ownership import register_data_parallel
 from .._dtypes import real_pairs
-from .layout import append_buckets, layout_of, sparse_gradient_error
+from .layout import alias_of, append_buckets, layout_of, sparse_gradient_error
 from .strategy import bucket_divide_factors, from_wire, to_wire
 
 
@@ -80,8 +80,12 @@ def _average(reducer, params: list, names: dict) -> None:
         from_wire(flat, wire)
         offset = 0
         for p in group:
-            p.grad = flat[offset:offset + p.numel()].view(p.shape).to(device=p.device, copy=True)
+            average = flat[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
+            if p.grad is not None and p.grad.shape == p.shape:  # the same tensor, as torch keeps p.grad
+                p.grad.copy_(average)
+            else:
+                p.grad = average.to(device=p.device, copy=True)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -129,7 +133,7 @@ def _carry(reducer, old, new, params) -> None:
         was_view = p.grad is not None and p.grad.data_ptr() == src.data_ptr()
         view.copy_(src)
         if as_view and was_view:
-            p.grad = view
+            _move_onto(p.grad, view, old.slots.get(p), new.slots[p])
 
 
 def _grow(reducer, wanted: list, newly: list, names: dict) -> None:
@@ -157,10 +161,33 @@ def _zero_inactive(reducer) -> None:
     for p in reducer.inactive:
         if not layout.is_allocated(layout.slots[p].bucket):
             continue
-        view = layout.grad_view(p)
-        if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
-            p.grad = p.grad.clone()
-        view.zero_()
+        _move_off(p, layout.slots[p])
+        layout.grad_view(p).zero_()
+
+
+def _move_onto(grad: torch.Tensor, view: torch.Tensor, old_slot, new_slot) -> None:
+    """Make ``grad`` (``p.grad``, on its old slot's memory) the tensor of ``new_slot`` (whose tensor
+    is ``view``, holding the values): the same object stays ``p.grad``, as torch keeps it across
+    steps, so a reference an optimizer or the user holds sees the next averages. The old layout
+    keeps a tensor of its own (two holders would count as the user's: Note [gradients the user
+    holds] in held_grads.py)."""
+    if old_slot is not None and old_slot.view is grad:
+        old_slot.view = alias_of(grad)
+    with torch.no_grad():
+        grad.set_(view)
+    new_slot.view = grad
+
+
+def _move_off(p, slot) -> None:
+    """Move ``p.grad``, where it is on ``slot``'s memory, onto a copy of its own (the same object:
+    a frozen parameter's gradient is the user's, as torch leaves it); the slot gets a tensor of its own."""
+    grad = p.grad
+    if grad is None or slot.view is None or grad.data_ptr() != slot.view.data_ptr():
+        return
+    if slot.view is grad:
+        slot.view = alias_of(grad)
+    with torch.no_grad():
+        grad.set_(grad.clone())
 
 
 def _rebuild(reducer, wanted: list, names: dict) -> None:
@@ -168,6 +195,9 @@ def _rebuild(reducer, wanted: list, names: dict) -> None:
     with the new ones last; the readiness order is observed again at the next backward."""
     old = reducer.layout
     wanted_set = set(wanted)
+    for p in reducer.params:  # a frozen gradient would keep the old buffers alive
+        if p not in wanted_set and p in old.slots:
+            _move_off(p, old.slots[p])
     order = [p for b in old.buckets for p in b.params if p in wanted_set]
     placed = set(order)
     order += [p for p in reversed(wanted) if p not in placed]

@@ -230,6 +230,17 @@ def _child_after_parent(rank, ws):
         out["partly"] = None
     except ValueError as exc:
         out["partly"] = str(exc)
+    # after a forward the root's unit is named as such, with its class (not by class alone)
+    torch.manual_seed(0)
+    model = Net()
+    fusedist.fully_shard(model)
+    with torch.no_grad():
+        model(_batch(rank, 0)[0])
+    try:
+        fusedist.fully_shard(model.blocks[0])
+        out["after forward"] = None
+    except ValueError as exc:
+        out["after forward"] = str(exc)
     return out
 
 
@@ -237,11 +248,12 @@ def test_sharding_a_submodule_after_its_parent_names_the_order(launched2):
     """Bottom-up is the rule (torch's FSDP2 fails here with an internal invariant error); the
     message must say that, not call the parent's parameters tied weights."""
     for res in results_of(launched2, "child after parent"):
-        for case in ("whole", "partly"):
+        for case in ("whole", "partly", "after forward"):
             text = res[case]
             assert text is not None, case
             assert "blocks.0" in text or "blocks.1" in text, text
-            assert "already sharded by fully_shard(Net)" in text and "bottom-up" in text, text
+            owner = "the root module (Net)" if case == "after forward" else "fully_shard(Net)"
+            assert f"already sharded by {owner} (as 'blocks." in text and "bottom-up" in text, text
             assert "tied" not in text, text
 
 

@@ -300,5 +300,5 @@ def _units_on_two_groups(rank, world_size):
 def test_units_on_different_groups_under_one_root_are_refused_naming_them():
     """The refusal named neither the units nor their groups."""
     for text in run_distributed(_units_on_two_groups, 2, timeout=60):
-        assert ("the units under one root must share one mesh / process group: '<root>' (2 shards, "
-                in text and "and '1' (2 shards, communicator #" in text), text
+        assert ("the units under one root must share one mesh / process group: the root module (Sequential) over "
+                "2 shards (communicator #" in text and "and '1' (Linear) over 2 shards (communicator #" in text), text

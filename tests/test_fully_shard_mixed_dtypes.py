@@ -419,7 +419,7 @@ def test_a_model_of_another_dtype_on_one_rank_fails_on_every_rank_without_hangin
     for status, text in out:
         assert status == "error"
         assert "RankMismatchError" in text and "fully_shard wrapping of the model differs across ranks" in text, text
-        assert "unit '<root>' [2.weight (float32) (4, 8)" in text and "2.weight (float64)" in text, text
+        assert "the root module [2.weight (float32) (4, 8)" in text and "2.weight (float64)" in text, text
 
 
 def test_dtypes_differing_across_ranks_fail_on_every_rank_without_hanging():

@@ -355,7 +355,7 @@ def test_alike_units_dropped_per_rank_are_reported_naming_units():
         if "RankMismatchError" in message:
             assert "ranks diverged" in message and "ran different units in forward" in message, message
             kept = ", ".join(f"blocks.{i} (ResidualBlock)" for i in range(3) if i != 1 + rank)
-            assert f"units run in forward on rank {rank}: embed (Embedding), {kept}, <root> (Stack)" in message
+            assert f"units run in forward on rank {rank}: embed (Embedding), {kept}, the root module (Stack)" in message
         else:
             assert re.search(r"fully_shard gather blocks\.\d \(ResidualBlock\)", message), message
 

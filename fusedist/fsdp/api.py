@@ -25,7 +25,7 @@ from .policy import MixedPrecisionPolicy, OffloadPolicy, as_mixed_precision_poli
 from .extension import extension_specs, put_stand_ins, take_stand_ins
 from .dtensor_view import record_mesh
 from .mesh import groups_of, shard_mesh_of
-from .owners import Held, record_owner, register_pieces
+from .owners import Held, record_owner, record_slots, register_pieces
 from .sharded_class import original_class, refuse_pickling, shallow_copy, sharded_class
 from .child_calls import guard_child_calls
 from .members import check_params, describe, members_of, take_params
@@ -136,6 +136,7 @@ def fully_shard(module: nn.Module | list, *, mesh=None, process_group=None,
         for i, (p, sp) in enumerate(zip(params, unit.sharded)):
             record_owner(unit, i, p, sp)
             unit._register(i, sp)
+        record_slots(unit)
         holder = holder_for(comm, replicate_comm, unit.tp_comm)
         holder.register(unit.sharded, [s is None or s.replicated for s in unit.tp] if unit.tp_comm else None)
         unit.holder = holder  # keeps the holder alive as long as the unit (ownership holds it weakly)

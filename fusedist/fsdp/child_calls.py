@@ -43,6 +43,7 @@ import torch
 
 from .containers import grad_tensors
 from .replaced_modules import user_class_name
+from .tree_names import unit_named
 
 
 def guard_child_calls(unit, members: list) -> None:
@@ -80,7 +81,7 @@ def _refuse_ungathered(unit_ref, member_refs: list, state_ref, attr: str, module
     member, path = _paths(unit.path, members, module)
     raise RuntimeError(
         f"fusedist.fully_shard: module '{path}' ({type(module).__name__}) was called on its own, outside the "
-        f"forward of unit {unit.label}, which holds its parameter '{attr}' sharded: it would compute on rank "
+        f"forward of {unit_named(unit)}, which holds its parameter '{attr}' sharded: it would compute on rank "
         f"{unit.rank}'s pieces alone (a wrong result, then a failing backward). Call {member} or the "
         "model instead; a module that must run on its own needs its "
         "own fully_shard call, made before its parent's. If the call is in a method other than forward (generate, "
@@ -94,7 +95,7 @@ def _refuse_before_root_forward(unit, member_refs: list, module) -> None:
     member, path = _paths(unit.path, members, module)
     raise RuntimeError(
         f"fusedist.fully_shard: module '{path}' ({type(module).__name__}) was called on its own under grad while "
-        f"unit {unit.label} is gathered (unshard()) before the model's first forward: until the root's first "
+        f"{unit_named(unit)} is gathered (unshard()) before the model's first forward: until the root's first "
         "forward sets up the iteration, nothing can hold the unit gathered for this call's backward or reduce the "
         "gradients it gives (torch's FSDP2 fails in that backward if the unit was resharded, else leaves them "
         f"unreduced). Run the model's forward once first (an evaluation under torch.no_grad() will do), make this "

@@ -20,10 +20,12 @@ __all__ = ["refuse_grad_before_forward"]
 
 
 def refuse_grad_before_forward(unit, index: int) -> None:
+    from .tree_names import unit_named
+
     for u in unit.unsharded:  # (what this backward left on them would join the next reduction)
         u.grad = None
     raise RuntimeError(
-        f"fusedist.fully_shard: parameter '{unit.names[index]}' of unit {unit.label} got a gradient before the "
+        f"fusedist.fully_shard: parameter '{unit.names[index]}' of {unit_named(unit)} got a gradient before the "
         "model's first forward: it was used directly (not through a call of its module) after unshard(). "
         "The gradient reduction of fully_shard is set up by the root's first forward; run a forward of the "
         "root first (one under torch.no_grad() is enough), or use the parameter inside its module's forward. "

@@ -12,7 +12,7 @@ from torch.autograd import Variable
 
 from . import grads as grads_mod
 from . import stale
-from .tree_names import RootTree
+from .tree_names import RootTree, unit_listed
 
 if TYPE_CHECKING:
     from .state import FullyShardState
@@ -171,7 +171,7 @@ class IterationContext:
                     grads_mod.wait_host_copies(st.unit)
             if self.watch is not None:  # after the last reduce-scatter: the same point on every rank
                 self.watch.backward_ends(synced=any(st.grads.reduce_grads for st in ran), reductions=self.reduce_log,
-                                         units=[st.unit.label for st in self.post_forward_order])
+                                         units=[unit_listed(st.unit) for st in self.post_forward_order])
             # (stepped from a gradient hook: Note [gathered copies and the optimizer step] in stale.py)
             stale.reshard_stepped([st.unit for st in self.states if st.unit is not None])
         finally:

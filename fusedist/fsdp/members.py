@@ -7,7 +7,8 @@ Note [a list of modules as one unit]
     ``[tok_embeddings, output]`` to keep a tied weight in one unit) makes one unit of the
     parameters of every listed module -- one flat buffer, one all-gather, one reduce-scatter --
     as torch's FSDP2 does. A listed module inside another listed one is part of the outer one
-    (FSDP2 keeps the outermost too). The members share one ``FullyShardState`` (``state_of`` of
+    (FSDP2 keeps the outermost too); one listed twice is refused, naming the items (FSDP2's second
+    application to it fails). The members share one ``FullyShardState`` (``state_of`` of
     each returns it) and each gains the sharded class, so ``unshard()``, the ``set_*`` methods
     and the state-dict hooks work from any member, for the whole unit. One call of the group is
     the run of its members in one forward: the first member to start runs the pre-forward (the
@@ -26,7 +27,7 @@ from torch import nn
 from torch.nn.parameter import UninitializedTensorMixin
 
 from .extension import has_extension
-from .owners import owner_of
+from .owners import owner_of, slot_owner
 from .registrations import Registrations
 from .state import state_of
 
@@ -44,12 +45,29 @@ def members_of(module) -> list:
     for i, m in enumerate(module):
         if not isinstance(m, nn.Module):
             raise TypeError(f"fusedist.fully_shard: item {i} of the list is a {type(m).__name__}, not an nn.Module")
-    members = list(dict.fromkeys(module))  # as given, each once
+    _refuse_repeated(module)
+    members = list(module)
     inside = {id(sub) for m in members for sub in m.modules() if sub is not m}
     outermost = [m for m in members if id(m) not in inside]
     for m in outermost:
         _refuse_forwardless(m, f" (item {module.index(m)} of the list)")
     return outermost
+
+
+def _refuse_repeated(modules) -> None:
+    """A module listed more than once is refused, as torch's FSDP2 refuses it (its second
+    application to the module fails). Taking it once hid a list built wrong -- a block meant
+    beside it left out of the unit -- until memory or speed showed it."""
+    at: dict = {}
+    for i, m in enumerate(modules):
+        at.setdefault(id(m), []).append(i)
+    for i, m in enumerate(modules):
+        if len(at[id(m)]) > 1:
+            places = ", ".join(str(k) for k in at[id(m)])
+            raise ValueError(
+                f"fusedist.fully_shard: the list of modules holds the same {type(m).__name__} at items {places}: "
+                "each module may be listed once (fully_shard is applied once per module). Remove the repeats, "
+                "e.g. list(dict.fromkeys(modules)), or check that the list names the modules you meant.")
 
 
 def _refuse_forwardless(module: nn.Module, where: str) -> None:
@@ -142,7 +160,8 @@ def take_params(module, modules: list, ignored: set) -> tuple:
             if p is None or id(p) in ignored:
                 continue
             fqn = f"{mod_name}.{attr}" if mod_name else attr
-            owned = owner_of(p)  # (None also where a dropped model's unit is gone)
+            # (None also where a dropped model's unit is gone; the slot's owner where it holds a gathered parameter)
+            owned = owner_of(p) or slot_owner(sub, attr)
             if owned is not None:  # tied with a parameter another unit holds
                 owner, idx = owned
                 if any(m is sub and a == attr for m, a in owner.registrations[idx]):
@@ -156,10 +175,12 @@ def take_params(module, modules: list, ignored: set) -> tuple:
                 regs.append([(sub, attr)])
                 fqns.append(fqn)
     if borrowed and not params:
+        from .tree_names import unit_owner
+
         owner, idx, _, fqn = borrowed[0]
         raise NotImplementedError(
             f"fusedist.fully_shard({describe(modules)}): every parameter of this module is tied to a parameter "
-            f"another unit holds ('{fqn}' is '{owner.names[idx]}' of fully_shard({owner.name or 'root'})), and a unit "
+            f"another unit holds ('{fqn}' is '{owner.names[idx]}' of {unit_owner(owner)}), and a unit "
             "needs a parameter of its own. Leave this module to a parent's fully_shard call, or do not shard "
             f"{owner.name} on its own, so that this call takes the tied weight with the rest (torch's FSDP2 refuses "
             "weights tied across units).")
@@ -170,9 +191,11 @@ def sharded_by_parent(module, fqn, owner, idx) -> ValueError:
     """The error for a module sharded after a module containing it. Why not borrow, as for a
     weight tied across units: here the parent's unit swaps this very attribute, and two units
     swapping one slot would each put back their own tensor."""
+    from .tree_names import unit_owner
+
     return ValueError(
         f"fusedist.fully_shard({type(module).__name__}): its parameter '{fqn}' is already sharded by "
-        f"fully_shard({owner.name or 'root'}) (as '{owner.names[idx]}'), called earlier on a module containing "
+        f"{unit_owner(owner)} (as '{owner.names[idx]}'), called earlier on a module containing "
         "this one. Apply fully_shard bottom-up: each submodule before the modules that contain it.")
 
 

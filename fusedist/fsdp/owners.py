@@ -32,6 +32,30 @@ def owner_of(p) -> Optional[tuple]:
     return (unit, owned[1]) if unit is not None else None
 
 
+# Every module slot a unit swaps (``(module, attr)`` of its registrations) -> (weak reference to the
+# unit, index): while the unit is gathered, the slot holds the unsharded parameter, which
+# ``_OWNED`` does not know, so a later ``fully_shard`` of a module inside it (sharded after its
+# parent, after a forward that kept the parent gathered) took that parameter as a new one of its
+# own, and two units swapped one slot. Weak on the module: a dropped model's modules are freed.
+_SLOTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def record_slots(unit) -> None:
+    """The module slots ``unit``'s parameters are registered in, for :func:`slot_owner`."""
+    for index, regs in enumerate(unit.registrations):
+        for module, attr in regs:
+            _SLOTS.setdefault(module, {})[attr] = (weakref.ref(unit), index)
+
+
+def slot_owner(module, attr: str) -> Optional[tuple]:
+    """``(unit, index)`` of the live unit that swaps ``module.attr`` in and out, or None."""
+    held = _SLOTS.get(module, {}).get(attr)
+    unit = held[0]() if held is not None else None
+    if unit is None or not any(m is module and a == attr for m, a in unit.registrations[held[1]]):
+        return None
+    return unit, held[1]
+
+
 def record_owner(unit, index: int, *params) -> None:
     """``params`` (a parameter and its piece) are the unit's ``index``-th parameter."""
     for p in params:

@@ -356,9 +356,11 @@ def _same_data(t: torch.Tensor, view: torch.Tensor) -> bool:
 def _shape_error(unit, index: int, module: nn.Module, attr: str, held: torch.Tensor,
                  shape: tuple) -> Optional[ValueError]:
     """The error for a parameter ``init_fn`` replaced with one of another shape, or None."""
+    from .tree_names import unit_named
+
     if tuple(held.shape) != shape:
         return ValueError(
             f"fusedist.fsdp.init_parameters: after init_fn, {type(module).__name__}.{attr} "
-            f"('{unit.names[index]}' of unit {unit.name or 'root'}) has shape {tuple(held.shape)}; "
+            f"('{unit.names[index]}' of {unit_named(unit)}) has shape {tuple(held.shape)}; "
             f"expected the whole parameter's {shape}")
     return None

@@ -83,12 +83,12 @@ def param_name(unit, index: int, with_unit: bool = False) -> str:
     """Parameter ``index`` of ``unit`` for messages: its path from the root once the root ran
     forward (with its unit's class too if ``with_unit``), else its name in the unit; current
     after a renumbering (Note [unit paths follow the module] in tree_names.py)."""
-    from .tree_names import param_path
+    from .tree_names import param_path, unit_owner
 
     if unit.path is None:
         return f"'{unit.names[index]}' of fully_shard({unit.name or 'root'})"
     named = f"'{param_path(unit, index)}'"
-    return f"{named} of fully_shard({unit.name or 'root'})" if with_unit else named
+    return f"{named} of {unit_owner(unit)}" if with_unit else named
 
 
 def _placements(self) -> tuple:

@@ -17,7 +17,7 @@ from torch import nn
 
 from .layout import DimShardedError, alias
 from .param_view import as_piece
-from .tree_names import param_path
+from .tree_names import param_path, unit_named
 
 
 class PieceMixin:
@@ -110,7 +110,7 @@ class PieceMixin:
             return self.layout.element_range(index, self.rank if rank is None else rank)
         except DimShardedError as e:
             raise NotImplementedError(
-                f"fusedist.fully_shard: parameter '{param_path(self, index)}' of unit {self.label} (shape "
+                f"fusedist.fully_shard: parameter '{param_path(self, index)}' of {unit_named(self)} (shape "
                 f"{tuple(self.layout.slots[index].shape)}, Shard({e.dim}), rank {self.rank}) is sharded on dim "
                 f"{e.dim}; this operation reads each piece as a range of the flattened parameter and supports only "
                 "Shard(0) parameters. Save and load such a model with torch.distributed.checkpoint "
@@ -179,7 +179,7 @@ class PieceMixin:
                 continue
             pieces = ", ".join(f"rank {r}: {tuple(self.layout.piece(i, r).shape)}" for r in range(self.world_size))
             raise ValueError(
-                f"fusedist.fully_shard: parameter '{param_path(self, i)}' of unit {self.label} (shape {whole}) now "
+                f"fusedist.fully_shard: parameter '{param_path(self, i)}' of {unit_named(self)} (shape {whole}) now "
                 f"holds a tensor of shape {tuple(data.shape)}, neither the whole parameter nor this rank's piece "
                 f"(pieces: {pieces}): its data was replaced by a tensor of another size (param.data = ..., "
                 "param.set_(...), or module.weight = value on a parametrized module, which calls set_). "

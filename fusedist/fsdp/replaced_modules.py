@@ -201,10 +201,12 @@ def user_class_name(m) -> str:
 
 
 def _refuse(path: str, old, now, m, unit) -> None:
+    from .tree_names import unit_named  # (tree_names imports this module)
+
     inside = "" if m is old else f" (its submodule {user_class_name(m)} among them)"
     raise RuntimeError(
         f"fusedist.fully_shard: submodule '{path}' ({user_class_name(old)}) was replaced by a new "
-        f"{user_class_name(now)} after the model's first forward; it held parameters of unit {unit.label}{inside}, "
+        f"{user_class_name(now)} after the model's first forward; it held parameters of {unit_named(unit)}{inside}, "
         "sharded by fully_shard. The new module's parameters belong to no unit (each rank would train its own "
         "copy, their gradients never reduced) and the optimizer would step pieces no longer used. Put the old "
         "module back; to change values, load them into it (load_state_dict, fusedist.fsdp.load_full_state_dict); "

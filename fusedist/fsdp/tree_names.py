@@ -69,7 +69,7 @@ from .._process_hooks import install_module_registration_hook
 from ..ddp.module_tree import ModuleTree
 from .replaced_modules import WRITES, Places, Spine, WatchedDicts, check_replaced, watch_parents
 
-__all__ = ["RootTree", "name_units", "param_path"]
+__all__ = ["RootTree", "name_units", "param_path", "unit_listed", "unit_named", "unit_owner", "unit_where"]
 
 
 _CHILDREN = attrgetter("_modules")
@@ -205,10 +205,30 @@ def param_path(unit, index: int) -> str:
 
 
 def unit_where(unit) -> str:
-    """``unit`` in a message: its module's path and class once the root named it, its class before."""
+    """``unit`` in a message: its module's path and class once the root named it ("the root
+    module (Net)" for the root's own unit, whose path is empty), its class before."""
     if unit.path is None:
-        return unit.name or "the root"
-    return f"'{unit.path}' ({unit.name})" if unit.path else f"the root ({unit.name})"
+        return unit.name or "the root module"
+    return f"'{unit.path}' ({unit.name})" if unit.path else f"the root module ({unit.name})"
+
+
+def unit_named(unit) -> str:
+    """``unit`` where a message says "unit ...": "unit blocks.0 (Block)", and the root's own
+    unit as "the root module (Net)" (its label's "<root>" read as a path nobody wrote)."""
+    return f"the root module ({unit.name})" if unit.path == "" else f"unit {unit.label}"
+
+
+def unit_listed(unit) -> str:
+    """``unit`` in a list of units: "blocks.0 (Block)" (its label), the root's own unit as "the
+    root module (Net)"."""
+    return f"the root module ({unit.name})" if unit.path == "" else unit.label
+
+
+def unit_owner(unit) -> str:
+    """``unit`` after a parameter's path from the root ("'0.weight' of ..."): the call that holds
+    it, ``fully_shard(Block)`` -- the path already says where -- and the root's own unit as "the
+    root module (Net)" once the root named it, so a message does not make it look like a block."""
+    return f"the root module ({unit.name})" if unit.path == "" else f"fully_shard({unit.name or 'root'})"
 
 
 def _names_in_unit(unit, modules: list) -> list:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._consistency import check_same_across_ranks
+from .tree_names import unit_where
 
 __all__ = ["check_one_mesh", "check_wrapping"]
 
@@ -83,7 +84,8 @@ def _describe_unit(entry: Any) -> str:
     name, params, reshard = entry
     shown = ", ".join(f"{f} {tuple(s)}" for f, s in params[:4])
     more = f", ... ({len(params)} parameters)" if len(params) > 4 else ""
-    return f"unit '{name or '<root>'}' [{shown}{more}] reshard_after_forward={reshard}"
+    unit = f"unit '{name}'" if name else "the root module"
+    return f"{unit} [{shown}{more}] reshard_after_forward={reshard}"
 
 
 def check_one_mesh(units: list) -> None:
@@ -97,7 +99,7 @@ def check_one_mesh(units: list) -> None:
 
     def described(u) -> str:
         replicas = f" x {u.replicate_comm.world_size} replicas" if u.replicate_comm is not None else ""
-        return f"'{u.path or '<root>'}' ({u.comm.world_size} shards{replicas}, communicator #{u.comm.uid})"
+        return f"{unit_where(u)} over {u.comm.world_size} shards{replicas} (communicator #{u.comm.uid})"
 
     raise ValueError(f"fusedist.fully_shard: the units under one root must share one mesh / process group: "
                      f"{described(first)} and {described(other)} differ. Shard every module of the model over "

@@ -7,6 +7,18 @@ only one, a bad value in one param group (a schedule that made the learning rate
 edited to 1.0) raised on the ranks whose shard held a piece of that group -- after earlier
 buckets had been stepped -- while the other ranks stepped on into an all-gather the failing
 rank never joined: parameters and step counts diverged across ranks, and the job hung.
+
+In the same launch: a step in which no parameter has a gradient steps the inner optimizer, as torch's
+ZeroRedundancyOptimizer steps its local one every time (an optimizer that decays every parameter and
+counts its steps in its param group, the step hooks registered on ``optimizer.optim`` and an LR scheduler
+built on it, skipped such a step and diverged from torch's), with and without a DDP model, stage 1 and 2;
+and the constructor's refusals of its own options and of stage 2 over a model whose gradients a
+communication hook synchronizes name the rank, and where one rank alone is refused every rank raises at
+once.
+
+Tolerance 1e-6 absolute for the steps without gradients: SGD-like updates (lr 0.05, decay 0.01) of the
+same averaged gradients on the same elements, 4 steps in fp32 (a skipped decay moves weights of magnitude
+~0.3 by ~3e-3).
 """
 
 import pytest
@@ -14,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import models
 from shared_rank_launch import launch_for_selected, results_of
 
 
@@ -124,6 +137,174 @@ def test_a_rank_without_gradients_joins_the_offloaded_gathers(launched):
         assert "a gradient on some ranks only: rank 0 has a gradient of norm" in errors[0], errors
 
 
+class _DecayingSGD(torch.optim.Optimizer):
+    """An elementwise optimizer that does something without gradients: it decays every parameter
+    and counts its steps in its param group, at every step."""
+
+    _fusedist_elementwise = True
+
+    def __init__(self, params, lr=0.05, decay=0.01):
+        super().__init__(params, dict(lr=lr, decay=decay, steps=0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+                p.mul_(1.0 - group["decay"])
+            group["steps"] += 1
+
+
+def _counted(optimizer) -> list:
+    """[pre-hook calls, post-hook calls] of ``optimizer``, counted from now on."""
+    calls = [0, 0]
+    optimizer.register_step_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    optimizer.register_step_post_hook(lambda *_: calls.__setitem__(1, calls[1] + 1))
+    return calls
+
+
+def _steps_without_gradients(rank, world_size, wrapped, stage):
+    """Steps 1 and 3 have no gradient anywhere; fusedist's optimizer against torch's ZeroRedundancyOptimizer
+    over torch's DDP (fusedist's without a DDP model: gradients averaged by hand)."""
+    import fusedist
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    ref, model = _model(), _model()
+    ref_ddp = nn.parallel.DistributedDataParallel(ref)
+    net = fusedist.DistributedDataParallel(model) if wrapped else model
+    ref_opt = TorchZero(ref.parameters(), _DecayingSGD, lr=0.05, decay=0.01)
+    opt = fusedist.ZeroRedundancyOptimizer(model.parameters(), _DecayingSGD, stage=stage, lr=0.05, decay=0.01)
+    calls = {"torch": _counted(ref_opt.optim), "fusedist": _counted(opt.optim)}
+    diffs = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(4, 16, generator=g), torch.randn(4, 2, generator=g)
+        for m, o in ((ref_ddp, ref_opt), (net, opt)):
+            o.zero_grad(set_to_none=True)
+            if step % 2 == 0:
+                nn.functional.mse_loss(m(x), y).backward()
+        if not wrapped and step % 2 == 0:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world_size
+        ref_opt.step()
+        opt.step()
+        diffs.append((_flat(model) - _flat(ref)).abs().max().item())
+    steps = [[g["steps"] for g in o.param_groups] for o in (ref_opt, opt)]
+    return {"diffs": diffs, "calls": calls, "group steps": steps}
+
+
+STEPLESS = {"ddp stage 1": (True, 1), "ddp stage 2": (True, 2), "no ddp": (False, 1)}
+
+
+@pytest.mark.parametrize("case", list(STEPLESS))
+def test_a_step_without_gradients_steps_the_inner_optimizer_as_torch(case, launched):
+    """Before, such a step returned before the inner optimizer: no decay, no step counted, no hook
+    called, and the parameters ~3e-3 off torch's from step 1 on."""
+    for rank, out in enumerate(results_of(launched, f"stepless {case}")):
+        where = f"rank {rank}: {out}"
+        assert max(out["diffs"]) < 1e-6, where
+        assert out["calls"]["fusedist"] == out["calls"]["torch"] == [4, 4], where
+        assert out["group steps"][1] == out["group steps"][0] == [4], where
+
+
+def _scheduler_on_the_inner_optimizer(rank, world_size):
+    """An LR scheduler built on ``optimizer.optim`` (torch's attribute), stepped after a first step
+    without gradients: torch's ZeroRedundancyOptimizer called its local optimizer's step, so the
+    scheduler does not warn that it was stepped first; the warnings of both, and the inner lr."""
+    import warnings
+
+    import fusedist
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    out = {}
+    for name, cls in (("torch", TorchZero), ("fusedist", fusedist.ZeroRedundancyOptimizer)):
+        opt = cls(_model().parameters(), torch.optim.SGD, lr=0.1)
+        schedule = torch.optim.lr_scheduler.StepLR(opt.optim, 1, gamma=0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+            schedule.step()
+        warned = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+        out[name] = (warned, opt.optim.param_groups[0]["lr"])
+    return out
+
+
+def test_a_scheduler_on_the_inner_optimizer_counts_a_step_without_gradients(launched):
+    for rank, out in enumerate(results_of(launched, "scheduler on optim")):
+        assert out["fusedist"] == out["torch"] == ([], 0.05), (rank, out)
+
+
+def _averaging_hook(state, bucket):
+    """A communication hook of one's own (torch's recipe): DDP's gradient sync becomes the hook."""
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _rank_named_refusals(rank, world_size):
+    """Options and stage-2 wirings refused on every rank alike, and on rank 1 alone, each timed; then a
+    stage-2 optimizer built alike trains as torch's SGD over torch's DDP."""
+    import fusedist
+
+    def build(params, **kw):
+        return fusedist.ZeroRedundancyOptimizer(params, torch.optim.SGD, **{"lr": 0.1, **kw})
+
+    one = rank == 1
+    hooked_on_one = fusedist.DistributedDataParallel(_model())
+    if one:
+        hooked_on_one.register_comm_hook(None, _averaging_hook)
+    hooked = fusedist.DistributedDataParallel(_model())
+    hooked.register_comm_hook(None, _averaging_hook)
+    plain = _model()
+    cases = {
+        "hook on one rank": lambda: build(hooked_on_one.parameters(), stage=2),
+        "hook": lambda: build(hooked.parameters(), stage=2),
+        "stage": lambda: build(plain.parameters(), stage=3),
+        "overlap_with_ddp": lambda: build(plain.parameters(), overlap_with_ddp=True),
+        "overlap_with_ddp on one rank": lambda: build(plain.parameters(), overlap_with_ddp=one),
+        "max_buckets_in_flight": lambda: build(plain.parameters(), max_buckets_in_flight=0),
+    }
+    errors = {name: models.raised_timed(fn) for name, fn in cases.items()}
+    model, ref = _model(), _model()
+    net, ref_ddp = fusedist.DistributedDataParallel(model), nn.parallel.DistributedDataParallel(ref)
+    opt, ref_opt = build(model.parameters(), stage=2), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for m, o in ((net, opt), (ref_ddp, ref_opt)):
+        g = torch.Generator().manual_seed(rank)
+        nn.functional.mse_loss(m(torch.randn(4, 16, generator=g)), torch.randn(4, 2, generator=g)).backward()
+        o.step()
+    return {"errors": errors, "diff": (_flat(model) - _flat(ref)).abs().max().item()}
+
+
+ALIKE = {  # refused on every rank: each raises its own error, naming its rank
+    "hook": "ValueError: ZeroRedundancyOptimizer(stage=2) (rank {rank}): this DDP model's gradients are "
+            "already synchronized by the communication hook _averaging_hook",
+    "stage": "ValueError: ZeroRedundancyOptimizer (rank {rank}): stage must be 1 or 2, got 3",
+    "overlap_with_ddp": "ValueError: ZeroRedundancyOptimizer (rank {rank}): overlap_with_ddp=True is torch's option",
+    "max_buckets_in_flight": "ValueError: ZeroRedundancyOptimizer(stage=2) (rank {rank}): max_buckets_in_flight "
+                             "must be an int >= 1",
+}
+ON_ONE_RANK = {  # refused on rank 1 alone: every rank raises at once, naming rank 1 and its reason
+    "hook on one rank": "already synchronized by the communication hook _averaging_hook",
+    "overlap_with_ddp on one rank": "overlap_with_ddp=True is torch's option",
+}
+
+
+def test_refusals_name_the_rank_and_one_rank_alone_fails_every_rank_at_once(launched):
+    """Before, these refusals named no rank, and stage 2 over a model with a communication hook on one
+    rank refused there alone: the other rank built its optimizer and waited in its first backward."""
+    for rank, out in enumerate(results_of(launched, "rank named refusals")):
+        for name, (error, seconds) in out["errors"].items():
+            assert seconds < 5, (rank, name, seconds, error)  # (FUSEDIST_TIMEOUT_S is 20)
+            if name in ALIKE:
+                assert error is not None and error.startswith(ALIKE[name].format(rank=rank)), (rank, name, error)
+                continue
+            assert error is not None and error.startswith("RankMismatchError"), (rank, name, error)
+            assert f"this is rank {rank}" in error and "ranks [1]: this rank's own refusal" in error, error
+            assert ON_ONE_RANK[name] in error, (name, error)
+        assert out["diff"] < 1e-6, (rank, out["diff"])
+
+
 @pytest.fixture(scope="module")
 def launched(request):
     """The scenarios of the tests above in one launch of 2 ranks (each launch costs a process
@@ -135,4 +316,10 @@ def launched(request):
         "test_a_rank_without_gradients_joins_the_offloaded_gathers": {
             "without gradients, offloaded": (_rank_without_gradients, ("cpu",)),
             "without gradients, on device": (_rank_without_gradients, (None,))},
+        "test_a_step_without_gradients_steps_the_inner_optimizer_as_torch": {
+            f"stepless {case}": (_steps_without_gradients, args) for case, args in STEPLESS.items()},
+        "test_a_scheduler_on_the_inner_optimizer_counts_a_step_without_gradients": {
+            "scheduler on optim": (_scheduler_on_the_inner_optimizer, ())},
+        "test_refusals_name_the_rank_and_one_rank_alone_fails_every_rank_at_once": {
+            "rank named refusals": (_rank_named_refusals, ())},
     }, 2, timeout=300, env={"FUSEDIST_TIMEOUT_S": "20"})

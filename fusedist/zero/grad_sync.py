@@ -61,12 +61,14 @@ from ..ddp.strategy import GradSyncStrategy, divide_before_sum, divide_factors, 
 DEFAULT_MAX_BUCKETS_IN_FLIGHT = 2
 
 
-def check_max_buckets_in_flight(value) -> Optional[int]:
-    """``value`` if it is a bound on the buckets in flight (an int >= 1, or None: no bound)."""
+def check_max_buckets_in_flight(value, rank: Optional[int] = None) -> Optional[int]:
+    """``value`` if it is a bound on the buckets in flight (an int >= 1, or None: no bound); refused
+    naming ``rank`` where given."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
+    where = f" (rank {rank})" if rank is not None else ""
     raise ValueError(
-        f"ZeroRedundancyOptimizer(stage=2): max_buckets_in_flight must be an int >= 1 (the gradient buckets "
+        f"ZeroRedundancyOptimizer(stage=2){where}: max_buckets_in_flight must be an int >= 1 (the gradient buckets "
         f"whose reduce-scatter may be in flight at once, each holding its full gradients), or None for no "
         f"bound, got {value!r}")
 

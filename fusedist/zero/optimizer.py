@@ -20,7 +20,8 @@ where they keep state of their own:
   no shard holds;
 * ``step_refusals.py`` -- what ``step()`` refuses before anything runs (its step hooks included);
   ``step_flag.py`` -- what a step that applied nothing tells an LR scheduler; ``eager.py`` -- why
-  the step and the clip run eagerly under ``torch.compile``;
+  the step and the clip run eagerly under ``torch.compile``; ``gradless_step.py`` -- a step in
+  which no parameter has a gradient;
 * ``grow.py`` -- parameters joining after construction (``trainable_check.py``: the ranks compare
   them first); ``grad_sync.py`` -- the stage-2 reduce-scatter; ``offload.py`` -- ZeRO-Offload;
   ``join.py`` -- uneven inputs (its join hook); ``grad_agreement.py`` -- gradients compared across
@@ -37,7 +38,7 @@ from torch.optim import Optimizer
 from .._rank import this_rank
 from ..optim.elementwise import check_elementwise
 from . import copies, deferred_stage2, grad_agreement, grad_sync, group_sync, grow, param_checks, param_labels
-from . import step_flag, step_refusals, torch_partition, wiring
+from . import gradless_step, step_flag, step_refusals, torch_partition, wiring
 from .empty_params import EmptyParams
 from .eager import eager_step
 from .factory import default_optimizer_class, optimizer_type
@@ -126,7 +127,9 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
       the partition] in ``grow.py``). A trainable parameter without a gradient in a step
       (stage 1: ``p.grad`` is None; stage 2: no synchronized backward since the last step gave
       it one, i.e. DDP found it unused on every rank) is skipped: its master, optimizer state
-      and step count stay as they are (Note [piece splitting] in ``partition.py``).
+      and step count stay as they are (Note [piece splitting] in ``partition.py``). A step in
+      which no parameter has a gradient still steps the inner optimizer, as torch's does (Note
+      [a step without gradients] in ``gradless_step.py``).
     * Master weights are FP32 (FP64 for FP64 parameters): copies for half-precision
       parameters, the parameters' own storage for fp32/fp64 ones (Note [shards aliasing the
       parameters and gradients] in ``shard_store.py``). Parameters changed outside
@@ -211,8 +214,10 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self.rank = self.comm.rank if self.comm is not None else 0
         self.world_size = self.comm.world_size if self.comm is not None else 1
         self.bucket_cap_bytes = int(bucket_cap_mb * MiB)
+        # Note [stage-2 refusals compared across ranks] in wiring.py
+        stage2_refusal = wiring.stage2_refusal(self) if stage == 2 and self._stage2_pending is None else None
         param_checks.check_same_params_on_every_rank(  # Note [the same parameters on every rank]
-            self, refusal=refusal or subset_refusal)
+            self, refusal=refusal or subset_refusal or stage2_refusal)
         if self.offload:
             check_offload_isa(self)
         self.overlap_param_gather = overlap_param_gather and self.ddp is not None
@@ -365,8 +370,7 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             self._fusedist_settle_clip()  # Note [gradients changed after the clip]
             self._zero_fill_without_backward()  # Note [zero-filled gradients in stage 2]
             if not self._has_any_grad():
-                if self.ddp is None and self.world_size > 1:
-                    self._gather_without_step()
+                gradless_step.step_without_grads(self)  # Note [a step without gradients]
                 return loss
             self._ensure_state()
             written = self._params_written_outside()  # Note [parameters changed outside the optimizer]
@@ -406,30 +410,6 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         return loss
 
     _hooked_step = Optimizer.profile_hook_step(_step_body)  # (the global and own step hooks, then the body)
-
-    def _gather_without_step(self) -> None:
-        """A step on a rank without gradients, when there is no DDP model: the parameter
-        all-gathers still run, with this rank's slices as they are. Without a DDP model the
-        gradients are the caller's (e.g. torch's DDP), and another rank may hold some: it steps
-        and all-gathers, and a rank returning at once left it waiting until the timeout (torch's
-        ZeroRedundancyOptimizer broadcasts in every step too). With a DDP model every rank has
-        the same gradients after a synchronized backward, so all of them return. (With
-        ``offload``: in the order the host step gathers, bucket by bucket as they are stepped,
-        so that the ranks' all-gathers pair up; it returned at once, and the others waited.)"""
-        self._ensure_state()
-        written = self._params_written_outside()  # Note [parameters changed outside the optimizer]
-        if written:
-            self._sync_masters_of(written)
-        self._sharded_state.unmatched.clear()  # Note [loaded masters that do not match the parameters]
-        if self._offload is None:
-            self._gatherer.publish(self._partition, self._flat_params, self._masters)
-        else:
-            for bs in self._partition.bucket_shards:  # (HostShardOffload.step's order)
-                self._gatherer.gather(self._flat_params, bs)
-            if not self.overlap_param_gather:
-                self.wait_for_params()
-        self._record_param_versions()
-        grad_agreement.raise_carried(self)  # (the fingerprints carried by these gathers)
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's: the group's trainable parameters are sharded and stepped like the others

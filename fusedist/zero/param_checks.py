@@ -55,17 +55,20 @@ from . import hyper_checks, param_labels
 #     own error where all refuse alike. ``add_param_group`` does the same with its group.
 def check_arguments(stage, offload, max_buckets_in_flight, overlap_with_ddp) -> None:
     """The constructor's own arguments, refused by name (Note [refusals of one rank's own arguments])."""
+    from .._rank import this_rank
     from .grad_sync import check_max_buckets_in_flight
     from .offload import OFFLOAD_CHOICES
 
+    op = f"ZeroRedundancyOptimizer (rank {this_rank()})"  # (a config read per host differs by rank)
     if overlap_with_ddp:
-        raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp is torch's option; use stage=2 with "
-                         "a fusedist DistributedDataParallel model instead")
+        raise ValueError(f"{op}: overlap_with_ddp=True is torch's option (its DDP communication hook steps the "
+                         "optimizer during backward); leave it out and use stage=2 with a fusedist "
+                         "DistributedDataParallel model, which reduce-scatters each gradient bucket during backward")
     if stage not in (1, 2):
-        raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage!r}")
-    check_max_buckets_in_flight(max_buckets_in_flight)
+        raise ValueError(f"{op}: stage must be 1 or 2, got {stage!r} (stage 3 is fusedist.fully_shard)")
+    check_max_buckets_in_flight(max_buckets_in_flight, this_rank())
     if offload not in OFFLOAD_CHOICES:
-        raise ValueError(f"ZeroRedundancyOptimizer: offload must be None or 'cpu', got {offload!r}")
+        raise ValueError(f"{op}: offload must be None or 'cpu', got {offload!r}")
 
 
 class TorchZeroHookRefusal(ValueError, AttributeError):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..comm import get_communicator
 from ..ddp.replicate import build_pending
+from ..ddp.strategy import AllReduceAverage
 from ..ownership import data_parallel_owner, register_gradient_holder, wrapping_owner
 from ..reliability import attach_monitor
 from .grad_sync import DEFAULT_MAX_BUCKETS_IN_FLIGHT, ReduceScatterToShard
@@ -203,35 +204,61 @@ def dropped_wrapper(params) -> bool:
     return any(wrapper_dropped(p) for p in params)
 
 
-def install_stage2(zero, max_buckets_in_flight: Optional[int] = DEFAULT_MAX_BUCKETS_IN_FLIGHT) -> None:
-    """Stage 2: DDP's reducer reduce-scatters each bucket into ``zero``'s gradient shard
-    (Note [stage 2 gradients] in ``grad_sync.py``), at most ``max_buckets_in_flight`` at once."""
+# Note [stage-2 refusals compared across ranks]
+#     What stage 2 refuses at construction depends on this rank's objects: the DDP wrapper (one
+#     dropped, or none), a communication hook registered on the model, an earlier stage-2 optimizer
+#     of the model still holding gradients, a backward in progress. These were raised when stage 2
+#     was installed, after the ranks had compared their parameter lists: a hook registered on one
+#     rank only (a per-host config) refused there alone, and the other rank went on into its first
+#     backward and waited there until the stall timeout. The refusal is now found first (nothing
+#     changes: :func:`stage2_refusal`) and is an entry of the constructor's comparison (Note
+#     [refusals of one rank's own arguments] in param_checks.py): every rank raises at once, the
+#     same RankMismatchError naming the refusing rank and its reason where the ranks differ, each
+#     its own error, naming its rank, where all refuse alike.
+def stage2_refusal(zero) -> Optional[Exception]:
+    """Why stage 2 cannot be installed on ``zero``'s DDP model on this rank, or None (Note [stage-2
+    refusals compared across ranks]); changes nothing."""
     if zero.ddp is None and dropped_wrapper(zero._params):  # Note [a dropped wrapper]
-        raise ValueError(
+        return ValueError(
             f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): the fusedist.DistributedDataParallel wrapper "
             "of these parameters was dropped: nothing kept a reference to it, so it was freed and its backward "
             f"hooks, which reduce-scatter the gradients, came off. {DROPPED_WRAPPER_ADVICE}; or use stage=1.")
     if zero.ddp is None:
-        raise ValueError(
-            "ZeroRedundancyOptimizer(stage=2) needs the parameters of a fusedist.DistributedDataParallel "
-            "model: gradients are reduce-scattered by its backward hooks. Wrap the model, or use stage=1."
-        )
+        return ValueError(
+            f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): needs the parameters of a "
+            "fusedist.DistributedDataParallel model: gradients are reduce-scattered by its backward hooks. Wrap "
+            "the model, or use stage=1.")
     reducer = zero.ddp.reducer
-    try:
-        if isinstance(reducer.strategy, ReduceScatterToShard):
-            _take_over(reducer, zero)  # Note [an optimizer built again]
-    except RuntimeError as exc:
-        raise RuntimeError(f"ZeroRedundancyOptimizer(stage=2) constructed during a backward pass: {exc}") from None
-    try:
-        reducer.use_strategy(ReduceScatterToShard(zero, max_buckets_in_flight))
-    except ValueError:
-        raise ValueError(
-            f"ZeroRedundancyOptimizer(stage=2): this DDP model's gradients are already synchronized by "
-            f"{reducer.strategy.description} (a model has one: a communication hook, or a stage-2 optimizer; "
-            "stage=1 works with a hook)"
-        ) from None
-    except RuntimeError as exc:
-        raise RuntimeError(f"ZeroRedundancyOptimizer(stage=2) constructed during a backward pass: {exc}") from None
+    if reducer.in_backward:
+        return RuntimeError(f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): constructed during a backward "
+                            "pass; the gradient synchronization cannot change during a backward pass. Build the "
+                            "optimizer between backward passes")
+    if isinstance(reducer.strategy, ReduceScatterToShard):
+        old = reducer.strategy.zero
+        if old is not zero and old._grads_present:
+            return ValueError(
+                f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): this DDP model's stage-2 optimizer built "
+                "before holds the gradients of a backward it has not stepped (in its shards; p.grad is None in "
+                "stage 2). Call its step() or zero_grad() first, then build the new one")
+        return None
+    if not isinstance(reducer.strategy, AllReduceAverage):
+        return ValueError(
+            f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): this DDP model's gradients are already "
+            f"synchronized by {reducer.strategy.description} (a model has one: a communication hook, or a stage-2 "
+            "optimizer); stage=1 works with a hook")
+    return None
+
+
+def install_stage2(zero, max_buckets_in_flight: Optional[int] = DEFAULT_MAX_BUCKETS_IN_FLIGHT) -> None:
+    """Stage 2: DDP's reducer reduce-scatters each bucket into ``zero``'s gradient shard
+    (Note [stage 2 gradients] in ``grad_sync.py``), at most ``max_buckets_in_flight`` at once."""
+    refusal = stage2_refusal(zero)  # (the constructor raised it already, after the comparison)
+    if refusal is not None:
+        raise refusal
+    reducer = zero.ddp.reducer
+    if isinstance(reducer.strategy, ReduceScatterToShard):
+        _take_over(reducer, zero)  # Note [an optimizer built again]
+    reducer.use_strategy(ReduceScatterToShard(zero, max_buckets_in_flight))
     # A global clip (fusedist.clip_grad_norm_) finds the optimizer that holds these
     # parameters' gradients: p.grad is None in stage 2.
     register_gradient_holder(zero._trainable_params(), zero)
@@ -246,11 +273,6 @@ def _take_over(reducer, zero) -> None:
     old = reducer.strategy.zero
     if old is zero:
         return
-    if old._grads_present:
-        raise ValueError(
-            f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): this DDP model's stage-2 optimizer built "
-            "before holds the gradients of a backward it has not stepped (in its shards; p.grad is None in "
-            "stage 2). Call its step() or zero_grad() first, then build the new one")
     reducer.release_strategy(reducer.strategy)  # (raises during a backward, before anything changed)
     listeners = reducer.layout_listeners  # (a replaced optimizer is not grown any more)
     listeners[:] = [f for f in listeners if not (isinstance(f, _LayoutListener) and f.serves(old))]

@@ -1,4 +1,4 @@
-"""Pipeline stages and pipelined checkpoints (fusedist/pipelining.py, fusedist/checkpoint/pipeline.py),
+"""Pipeline stages and pipelined checkpoints (fusedist/pipelining/__init__.py, fusedist/checkpoint/pipeline.py),
 checked against what torch's schedules and the documentation give.
 
 - A pipelined save of stages that each keep one entry of the whole model's root (a persistent

@@ -93,15 +93,15 @@ def test_polls_of_counters_leave_no_key_where_none_was():
     group in a TCPStore that never had one (a checkpoint save's store grew by a key when its barrier waited)."""
     from types import SimpleNamespace
 
-    from fusedist import _pipeline_told_peers
+    from fusedist.pipelining import told_peers
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S))
     monitor = SimpleNamespace(store=store, group_name="g", generation=0)
     keys = store.num_keys()  # (the store's own, if any)
     assert aborted_groups.aborted_peers(store, [1]) == {}
     assert stall_report.crashed_peer(store, "g", 0, 0, 2) is None
-    assert _pipeline_told_peers._published(monitor, 1) == 0
+    assert told_peers._published(monitor, 1) == 0
     assert store.list_keys() == [] and store.num_keys() == keys
     # a counter that exists is read as add keeps it
-    store.add(_pipeline_told_peers._count_key(monitor, 1), 2)
-    assert _pipeline_told_peers._published(monitor, 1) == 2
+    store.add(told_peers._count_key(monitor, 1), 2)
+    assert told_peers._published(monitor, 1) == 2

@@ -6,26 +6,26 @@ own: a failure path that left a rank blocked would hold NCCL until the process g
 other sections (tests/test_gpu_pending_paths_ws2.py) would be lost with it.
 
 * **A stage whose part ended in a failed step, put back on CUDA** (Note [a stage that ended in a step that
-  raised] in fusedist/_pipeline_step_failures.py), in the pipeline launch: two stages on the rank, pp 1 x dp 2;
+  raised] in fusedist/pipelining/step_failures.py), in the pipeline launch: two stages on the rank, pp 1 x dp 2;
   a plain stage's gradients and buffer are put back (the unpipelined model's gradients, ``1e-6``), a
   fully_shard stage refuses the next step.
 * **Pipeline failures with several stages per rank over NCCL, own launch** (Note [a failure told
-  at the step's end, several stages per rank] in fusedist/_pipeline_schedule_step.py, Note [a
-  failure told at the step's end] in fusedist/_pipeline_step_status.py): two stages per rank
+  at the step's end, several stages per rank] in fusedist/pipelining/schedule_step.py, Note [a
+  failure told at the step's end] in fusedist/pipelining/step_status.py): two stages per rank
   (interleaved 1F1B, looped BFS) and one (1F1B) on CUDA; two good steps, the second after
   ``zero_grad(set_to_none=False)`` (the zeroed gradients measured on the device: Note
-  [accumulating over synchronized pipeline steps] in fusedist/pipelining.py), give the
+  [accumulating over synchronized pipeline steps] in fusedist/pipelining/__init__.py), give the
   unpipelined model's gradients within ``1e-6`` (fp32 micro-batch means summed in another
   order); then a stage's backward or forward raising at a later micro-batch fails every rank
   within 5 s (the process group's timeout is 30 s) with the same message naming stage, rank and
   micro-batch, the batched zeros completion leaves NCCL usable (an all-reduce after it), the
   weights and gradients stay as the step found them and the next step is refused. In the same
   launch, each rank a one-stage pipeline of its own on CUDA whose loss raises mid-step: the buffers
-  are put back (Note [the buffers a failed step puts back] in fusedist/_pipeline_step_failures.py:
+  are put back (Note [the buffers a failed step puts back] in fusedist/pipelining/step_failures.py:
   a count first updated in the failed step from its snapshot, kept in host memory for a CUDA
   buffer), and the next good step gives the unpipelined model's buffers and gradients (``1e-6``).
 * **The step check's verdict at a pipeline step's end on CUDA** (Note [the step check's verdict read at the
-  step's end] in fusedist/_pipeline_step_verdict.py), the CPU cases of
+  step's end] in fusedist/pipelining/step_verdict.py), the CPU cases of
   tests/test_pipeline_stages_clip_and_found_inf_group.py on CUDA over NCCL, DDP and fully_shard stages whose
   data-parallel peers diverged before the first step (rank 1 ran an extra forward, or put a module in eval
   mode). In the pipeline launch, one-rank pipelines (pp 1 x dp 2): no status exchange, and the verdict waits
@@ -333,7 +333,7 @@ def test_pipeline_failure_with_several_stages_per_rank_over_nccl_fails_every_ran
 
 
 def test_pipeline_failed_step_puts_back_cuda_buffers_from_host_snapshots(pipelines):
-    """Note [the buffers a failed step puts back] (fusedist/_pipeline_step_failures.py): a buffer not known to
+    """Note [the buffers a failed step puts back] (fusedist/pipelining/step_failures.py): a buffer not known to
     move is kept by a snapshot in host memory for a CUDA tensor; after the failed step its value comes back
     from there (the count), the BatchNorm statistics from their copy: the next good step's buffers and
     gradients are the unpipelined model's on the good steps' micro-batches (fp32: 1e-6; the count exact)."""
@@ -348,7 +348,7 @@ def test_pipeline_failed_step_puts_back_cuda_buffers_from_host_snapshots(pipelin
 
 
 def test_pipeline_stage_that_ended_in_a_failed_step_is_put_back_on_cuda(pipelines):
-    """Note [a stage that ended in a step that raised] (fusedist/_pipeline_step_failures.py): two stages on the
+    """Note [a stage that ended in a step that raised] (fusedist/pipelining/step_failures.py): two stages on the
     rank on CUDA, stage 0 raising in its backward of the last micro-batch after stage 1's part of the step had
     ended (its gradients reduced and divided). A plain stage 1 gets the good step's gradients back (set aside on
     the device) and its forwards count (a CUDA buffer), and the next step gives the unpipelined model's
@@ -374,7 +374,7 @@ def test_pipeline_stage_that_ended_in_a_failed_step_is_put_back_on_cuda(pipeline
 
 
 def test_one_rank_pipelines_whose_cuda_peers_diverged_raise_at_the_next_forward(pipelines):
-    """Note [the step check's verdict read at the step's end] (fusedist/_pipeline_step_verdict.py): a pipeline
+    """Note [the step check's verdict read at the step's end] (fusedist/pipelining/step_verdict.py): a pipeline
     of one rank has no status exchange, and on CUDA its stage's verdict is not readable without the host
     waiting on the device, so it is read at the next forward, as before (on the host, tests/
     test_pipeline_stages_clip_and_found_inf_group.py, at the step's end). Each rank a one-rank pipeline of a DDP

@@ -1,4 +1,4 @@
-"""Eval steps of a pipeline over three ranks that fail (fusedist/_pipeline_inference.py), on gloo, with a
+"""Eval steps of a pipeline over three ranks that fail (fusedist/pipelining/inference.py), on gloo, with a
 process-group timeout of 45 s, so that an error within 20 s on every rank is one told, not timed out:
 
 - Note [a shape inference that fails on one rank]: the shape inference of an eval set-up failing at stage
@@ -151,7 +151,7 @@ class _Schedule:
 
     def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
                            loss_kwargs=None):
-        from fusedist._pipeline_inference import check_target_given
+        from fusedist.pipelining.inference import check_target_given
 
         check_target_given(self.stage)
 
@@ -165,7 +165,7 @@ class _RenamedTargets(_Schedule):
 
 
 def test_the_target_check_reads_the_steps_argument_and_refuses_a_step_without_it():
-    """Note [the targets a step was given] (fusedist/_pipeline_schedule_step.py): the check read the
+    """Note [the targets a step was given] (fusedist/pipelining/schedule_step.py): the check read the
     ``target_mbs`` local of the schedule's frame; under a schedule whose ``_step_microbatches`` names the
     targets otherwise, it found none and turned itself off silently. Now the wrapped step records its
     ``target_mbs`` argument: a step without targets is refused naming the fix, one with them runs, nothing
@@ -173,8 +173,8 @@ def test_the_target_check_reads_the_steps_argument_and_refuses_a_step_without_it
     it (the check would be off), where the schedule has a loss_fn."""
     import weakref
 
-    from fusedist._pipeline_inference import check_target_given
-    from fusedist._pipeline_schedule_step import wrap_step
+    from fusedist.pipelining.inference import check_target_given
+    from fusedist.pipelining.schedule_step import wrap_step
 
     stage = _LastStage()
     schedule = _Schedule(stage)

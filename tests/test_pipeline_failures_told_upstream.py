@@ -1,23 +1,23 @@
 """Pipeline failures every rank learns of at once, on three gloo ranks (one stage each):
 
-- Note [a first send that cannot be made, told upstream] (fusedist/_pipeline_notice_back.py): with shapes
+- Note [a first send that cannot be made, told upstream] (fusedist/pipelining/notice_back.py): with shapes
   given to the stages, a stage whose forward of micro-batch 0 raised told the ranks after it, but a rank
   holding only stages before it waited for micro-batch 0's gradient (or for its later activations to be
   taken) until the process group's timeout; so did every rank but the last when the last stage's loss_fn
   raised on micro-batch 0. Now every rank raises at once, naming the failing stage, its rank and its
   exception; the gradients stay untouched (None), the next step is refused, and a fresh pipeline on the
   same process group trains as the unpipelined model (no message of the failed step was left unmatched).
-- Note [a failure told at the step's end] (fusedist/_pipeline_step_status.py): a failure anywhere else -- a
+- Note [a failure told at the step's end] (fusedist/pipelining/step_status.py): a failure anywhere else -- a
   forward at a later micro-batch or step, a backward, the last stage's loss, any micro-batch of an eval step
   (micro-batch 0 too) -- still left the other ranks waiting until the timeout. Now every rank raises at once,
   the same message naming the stage, its rank, the micro-batch and the exception; no weight moved, the next
   step is refused, and a fresh pipeline on the group trains as the unpipelined model.
-- Note [micro-batch counts that differ across ranks] (fusedist/_pipeline_vote.py): one rank's schedule
+- Note [micro-batch counts that differ across ranks] (fusedist/pipelining/vote.py): one rank's schedule
   with another ``n_microbatches`` failed the shape inference with a size mismatch in the loss on one
   rank (the others then waited), or with shapes given left ranks waiting until the timeout. Now every
   rank raises at once at the set-up, naming both counts, and a schedule with the right count then trains
   the same stages as the unpipelined model.
-- Note [a batch smaller than n_microbatches] (fusedist/_pipeline_small_batch.py): a batch of 2 rows for 4
+- Note [a batch smaller than n_microbatches] (fusedist/pipelining/small_batch.py): a batch of 2 rows for 4
   micro-batches raised in torch's split on the first and last ranks, and the middle rank waited for the
   timeout. Now every rank raises at once, naming the rows, the count and the stage that took the batch.
 
@@ -234,7 +234,7 @@ _ANYWHERE = [("Schedule1F1B", 1, "forward", 2, 1, True, False), ("ScheduleGPipe"
 
 @pytest.mark.parametrize("case", _ANYWHERE, ids=["-".join(map(str, case)) for case in _ANYWHERE])
 def test_a_failure_anywhere_in_a_step_fails_every_rank_at_once(case, launched):
-    """Note [a failure told at the step's end] (fusedist/_pipeline_step_status.py): a stage's forward at a
+    """Note [a failure told at the step's end] (fusedist/pipelining/step_status.py): a stage's forward at a
     later micro-batch or step, its backward, the last stage's loss, or any micro-batch of an eval step
     raises: the other ranks waited for the process group's timeout (30 s here). Now every rank raises
     within 5 s the same message naming the stage, its rank, the micro-batch (and loss or backward) and
@@ -315,18 +315,19 @@ def test_stage_counts_or_indices_that_differ_across_ranks_fail_every_rank_at_onc
 
 def _short_batch_worker(rank, world, seed, schedule_name, static, good_steps, short, evaluate):
     """After ``good_steps`` good steps, a step whose batch has 2 rows for 4 micro-batches (``short``: "both"
-    the inputs and the target, or only the "target"): what each rank raised and in how many seconds, whether
-    an all_reduce works, and a fresh pipeline's difference from the unpipelined model."""
+    the inputs and the target, or only the "target"; "empty ...": no rows): what each rank raised and in how
+    many seconds, whether an all_reduce works, and a fresh pipeline's difference from the unpipelined model."""
     torch.manual_seed(seed)
     module = _Stage()
     _, schedule = _pipeline(rank, world, module, schedule_name, MICRO_BATCHES, static)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     for _ in range(good_steps):
         _step(schedule, rank, world, x, y)
-    small_x = x[:2] if short == "both" else x
+    rows = 0 if short.startswith("empty") else 2
+    small_x = x[:rows] if short.endswith("both") else x
     run = schedule.eval if evaluate else schedule.step
     began = time.monotonic()
-    raised = _refused(lambda: run(small_x) if rank == 0 else run(target=y[:2]) if rank == world - 1 else run())
+    raised = _refused(lambda: run(small_x) if rank == 0 else run(target=y[:rows]) if rank == world - 1 else run())
     seconds = time.monotonic() - began
     total = torch.ones(1)
     torch.distributed.all_reduce(total)
@@ -334,25 +335,29 @@ def _short_batch_worker(rank, world, seed, schedule_name, static, good_steps, sh
 
 
 # (schedule, shapes given, good steps before, what is short, eval step): the first step's notices (shapes given,
-# or inferred), the step's-end exchange of a later step, an eval step
+# or inferred), the step's-end exchange of a later step, an eval step; a later step's target of no rows
 _SHORT = [("ScheduleGPipe", True, 0, "both", False), ("Schedule1F1B", False, 0, "both", False),
-          ("Schedule1F1B", True, 1, "target", False), ("ScheduleGPipe", False, 1, "both", True)]
+          ("Schedule1F1B", True, 1, "target", False), ("ScheduleGPipe", False, 1, "both", True),
+          ("ScheduleGPipe", False, 1, "empty target", False)]
 
 
 @pytest.mark.parametrize("case", _SHORT, ids=["-".join(map(str, case)) for case in _SHORT])
 def test_a_batch_smaller_than_n_microbatches_fails_every_rank_at_once(case, launched):
-    """Note [a batch smaller than n_microbatches] (fusedist/_pipeline_small_batch.py): torch's split raised on
+    """Note [a batch smaller than n_microbatches] (fusedist/pipelining/small_batch.py): torch's split raised on
     the first and last ranks before any message and the middle rank waited for the group's timeout (30 s
     here). Every rank raises within 5 s the same message naming the rows, n_microbatches and the stage (with
     its rank) that took the batch; the group works, and a fresh pipeline on it gives the unpipelined model's
-    gradients (fp32: 1e-6)."""
+    gradients (fp32: 1e-6). Note [a target of no rows]: after a good step, a target of no rows (torch's
+    split asserted on the last rank alone, with torch's stage too, and the others waited for the timeout) is
+    refused alike."""
     _, _, _, short, _ = case
+    rows = 0 if short.startswith("empty") else 2
     results = results_of(launched, "short " + " ".join(map(str, case)))
     assert len({raised for raised, *_ in results}) == 1, results
     for rank, (raised, seconds, total, diff) in enumerate(results):
-        assert raised is not None and "has 2 rows, fewer than n_microbatches=4" in raised, (rank, raised)
-        if short == "target":
-            assert "stage 2 (rank 2 of the pipeline's group): the step's target (shape (2, 8))" in raised, raised
+        assert raised is not None and f"has {rows} rows, fewer than n_microbatches=4" in raised, (rank, raised)
+        if short.endswith("target"):
+            assert f"stage 2 (rank 2 of the pipeline's group): the step's target (shape ({rows}, 8))" in raised, raised
         else:
             assert "(rank 0 of the pipeline's group): the step's input 0 (shape (2, 8))" in raised or (
                 "stage 2 (rank 2 of the pipeline's group): the step's target" in raised), raised

@@ -12,7 +12,7 @@
   [found_inf over the pipeline stages] in fusedist/amp/grad_scaler.py).
 * DDP stages whose data-parallel peers diverged in a step (one ran an extra forward) raise at that
   step's end on every rank, before any optimizer step (Note [the step check's verdict read at the
-  step's end] in fusedist/_pipeline_step_verdict.py): 1F1B, interleaved 1F1B and one-rank pipelines.
+  step's end] in fusedist/pipelining/step_verdict.py): 1F1B, interleaved 1F1B and one-rank pipelines.
 
 The clip runs after a 1F1B step of ``fusedist.pipelining.PipelineStage`` stages (the reference:
 the whole model on the global batch); the scaler's stages run their own losses (what a schedule
@@ -344,7 +344,7 @@ def _retry_paired_with_a_late_peer_worker(rank, world_size, seed, kind="ddp"):
 
 @pytest.mark.parametrize("stage_kind", DIVERGED_KINDS)
 def test_a_retry_paired_with_a_late_peers_first_attempt_raises_naming_both_steps(stage_kind, launched4):
-    """Note [a retried step paired with a late peer's] (fusedist/_pipeline_step_verdict.py), the divergence probe
+    """Note [a retried step paired with a late peer's] (fusedist/pipelining/step_verdict.py), the divergence probe
     off, DDP or fully_shard stages: pipeline 0's retried step's reductions pair with pipeline 1's first step's.
     Before, both returned, every rank applied an optimizer step averaging pipeline 0's second batch with
     pipeline 1's first, and only the next forward named it; now that step raises at its end on every rank, no

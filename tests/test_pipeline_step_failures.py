@@ -1,5 +1,5 @@
-"""Pipeline steps that fail, and the set-aside of a step's gradients (fusedist/pipelining.py,
-fusedist/_pipeline_inference.py, fusedist/_pipeline_step_failures.py), on gloo:
+"""Pipeline steps that fail, and the set-aside of a step's gradients (fusedist/pipelining/__init__.py,
+fusedist/pipelining/inference.py, fusedist/pipelining/step_failures.py), on gloo:
 
 - Note [a step that raised]: torch's schedules keep the losses of a step that raised and hand
   them to the next step's backwards. On a pipeline whose stages are all on one rank the next
@@ -25,13 +25,13 @@ fusedist/_pipeline_inference.py, fusedist/_pipeline_step_failures.py), on gloo:
   buffer first updated in the failing step is put back too (from its snapshot), BatchNorm statistics alike; on a
   pipeline over both ranks (one stage per rank, or two) a failure told to every rank now puts every rank's
   buffers back as the step found them, where the forwards' updates were kept.
-- Note [examples that need no gradient] (fusedist/_pipeline_inference.py): user-given examples made without
+- Note [examples that need no gradient] (fusedist/pipelining/inference.py): user-given examples made without
   ``requires_grad`` broke the first training step (a backward error on one rank, the other waiting); the
   pipeline now trains and evaluates as the unpipelined model.
-- Note [a failure told at the step's end, several stages per rank] (fusedist/_pipeline_schedule_step.py): with two
+- Note [a failure told at the step's end, several stages per rank] (fusedist/pipelining/schedule_step.py): with two
   stages per rank (interleaved 1F1B, looped BFS, ZBV), a failing forward, backward or loss left the other rank
   waiting for the group's timeout; every rank now raises at once, and Note [the failure told, of several]
-  (fusedist/_pipeline_step_status.py): the message told is the failure on real inputs, not one on the zeros sent.
+  (fusedist/pipelining/step_status.py): the message told is the failure on real inputs, not one on the zeros sent.
 
 Tolerances: fp32 gradients of the same terms summed in another order (micro-batch means), 1e-6;
 the defects move them by 1e-2 or more.
@@ -261,8 +261,8 @@ def _zeroed_gradients_worker(rank, world_size, seed):
     starts from gradients zeroed in place and a second step accumulating; per step, the number of
     gradients its set-aside copied and the stage's forwards before the host first read tensor
     values in the step; and the weights' difference from torch's SGD."""
-    import fusedist._pipeline_set_aside as set_aside
-    import fusedist.pipelining as pipelining
+    import fusedist.pipelining.set_aside as set_aside
+    import fusedist.pipelining.stage as pipelining
 
     taken, reads = [], []
     pairs, tolist = pipelining._SetAside.pairs, torch.Tensor.tolist
@@ -673,8 +673,8 @@ def test_zeroed_gradients_are_not_copied_at_a_step(launched):
     (so the count is of something); the weights follow torch's SGD on the unpipelined model.
     Which gradients are zeros is read at the step's first backward (GPipe: after its 4 forwards),
     not at its first forward, where the read made the host wait for the device every step
-    (counted: host reads of tensor values by the stage's own code, fusedist/pipelining.py and
-    fusedist/_pipeline_set_aside.py)."""
+    (counted: host reads of tensor values by the stage's own code, fusedist/pipelining/stage.py and
+    fusedist/pipelining/set_aside.py)."""
     seed = launched["seed"]
     for rank, out in enumerate(results_of(launched, "zeroed gradients")):
         for kind, (copies, first_reads, diff) in out.items():
@@ -869,7 +869,7 @@ def test_a_step_after_one_that_raised_across_ranks_is_refused_on_every_rank(laun
     """Note [a step that raised]: the last stage's loss raises mid-step; the first stage's rank
     waited for that step's gradients until the group's timeout: now both ranks raise within 5 s the
     same message, naming the stage, the micro-batch and the loss's exception (Note [a failure told
-    at the step's end] in fusedist/_pipeline_step_status.py). Each rank's next step is refused,
+    at the step's end] in fusedist/pipelining/step_status.py). Each rank's next step is refused,
     naming the stage and what the failed step had done, without touching the gradients -- not run
     against the other rank's leftover messages."""
     results = results_of(launched, "failed across ranks")
@@ -888,7 +888,7 @@ def test_the_set_aside_measures_gradients_of_several_devices_and_dtypes():
     stage's gradients on several devices that stack raised at the step's first forward. The norms are now
     stacked per device; a gradient with no values to read (meta) counts as not all zeros (copied, never
     read); dtypes mix. Reference: each gradient's own count of nonzeros (NaN is nonzero)."""
-    from fusedist._pipeline_set_aside import _SetAside
+    from fusedist.pipelining.set_aside import _SetAside
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 10_000, ())))
     grads = [torch.zeros(3), torch.randn(4, generator=g).to(torch.bfloat16), torch.zeros(5, device="meta"),
@@ -1036,7 +1036,7 @@ _SEVERAL = [("ScheduleInterleaved1F1B", 1, "forward", 2, None, False),
 
 @pytest.mark.parametrize("case", _SEVERAL, ids=["-".join(map(str, case)) for case in _SEVERAL])
 def test_a_failure_with_several_stages_per_rank_fails_every_rank_at_once(case, launched):
-    """Note [a failure told at the step's end, several stages per rank] (fusedist/_pipeline_schedule_step.py):
+    """Note [a failure told at the step's end, several stages per rank] (fusedist/pipelining/schedule_step.py):
     with two stages per rank (interleaved 1F1B, looped BFS, ZBV zero-bubble), a stage's forward, its backward
     (a zero-bubble weight pass too) or the last stage's loss raising left the other rank waiting for the process
     group's timeout (30 s here). Now every rank raises within 5 s the same message naming the stage, its rank,
@@ -1061,7 +1061,7 @@ def test_a_failure_with_several_stages_per_rank_fails_every_rank_at_once(case, l
 
 
 def test_the_failure_told_is_the_one_on_real_inputs_not_one_on_the_zeros_sent(launched):
-    """Note [the failure told, of several] (fusedist/_pipeline_step_status.py): stage 1 (rank 1) raises at
+    """Note [the failure told, of several] (fusedist/pipelining/step_status.py): stage 1 (rank 1) raises at
     micro-batch 1's forward and sends zeros in place of its activations; stage 2 (rank 0) checks its inputs
     and raises on the zeros. The lowest failing rank's message won: every rank raised stage 2's "input was
     all zeros", not the cause. Now every rank raises stage 1's failure, within 5 s, and the group works."""

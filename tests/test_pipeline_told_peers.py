@@ -1,4 +1,4 @@
-"""Note [the next step waits until the peers were told] (fusedist/_pipeline_told_peers.py), in one process: how long
+"""Note [the next step waits until the peers were told] (fusedist/pipelining/told_peers.py), in one process: how long
 the step after a published failure waits for each group's data-parallel peers, read from a store as the ranks'
 processes would leave it. (The pp=2 x dp=2 runs are in test_pipelining.py: a retried step meeting a peer late.)"""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from fusedist import _pipeline_told_peers as told_peers
+from fusedist.pipelining import told_peers as told_peers
 from fusedist.reliability import stall_report
 
 PROBE_S = 0.1
@@ -27,6 +27,7 @@ class _Monitor:
     def __init__(self, store, name, rank, group):
         self.store, self.group_name, self.generation, self.reports = store, name, 0, []
         self.comm = _Comm(rank, group)
+        self.has_left, self.members, self.torch_group_name = False, [0, 1], ""
 
 
 class _Stage:
@@ -81,7 +82,7 @@ def test_a_peer_never_told_fails_the_step_after_the_reducing_groups_timeout_nami
 
 def test_a_peer_whose_step_failed_alike_without_publishing_ends_the_wait_at_once(groups, monkeypatch):
     """A peer whose pipeline failed the same step, told at the step's end (Note [a failure told at the step's
-    end] in _pipeline_step_status.py), publishes nothing, never reaches a reduction and so is never told: its
+    end] in fusedist/pipelining/step_status.py), publishes nothing, never reaches a reduction and so is never told: its
     failed step counts as a published one (once a step), and the wait ends at once."""
     from fusedist.reliability import monitor
 
@@ -95,3 +96,17 @@ def test_a_peer_whose_step_failed_alike_without_publishing_ends_the_wait_at_once
     told_peers.step_began(peer_stage)
     told_peers.count_failed_step(peer_stage)  # (the peer's next step failed too: one more)
     assert told_peers._published(groups["dp"][1], 1) == 2
+
+
+def test_the_counts_of_published_failures_go_with_the_group(groups):
+    """The last rank to leave a group deletes its failure counts with its other entries (Note [the last rank to
+    leave a group clears its entries] in fusedist/reliability/group_left.py): they stayed for the job's life."""
+    from fusedist.reliability import group_left
+
+    rank0, rank1 = groups["dp"]
+    key = told_peers._count_key(rank0, 0)
+    assert rank0.store.check([key])
+    group_left.leave(rank0)
+    assert rank0.store.check([key])  # (rank 1 is still in the group: its reports may read them)
+    group_left.leave(rank1)
+    assert not rank0.store.check([key])

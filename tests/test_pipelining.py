@@ -1,5 +1,5 @@
 """Pipeline parallelism over ``fully_shard`` stages (Note [pipeline stages of fully_shard modules]
-in fusedist/pipelining.py): torchtitan's PP + FSDP recipe on 4 gloo ranks, 2 pipeline ranks x 2
+in fusedist/pipelining/__init__.py): torchtitan's PP + FSDP recipe on 4 gloo ranks, 2 pipeline ranks x 2
 data-parallel ranks, against torch's FSDP2 with torch's ``PipelineStage``.
 
 For GPipe and 1F1B (one stage per rank) and interleaved 1F1B (two stages per rank), 4
@@ -35,7 +35,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist._pipeline_told_peers import MARGIN_S
+from fusedist.pipelining.told_peers import MARGIN_S
 from fusedist.testing import run_distributed
 from shared_rank_launch import launch_for_selected, results_of, under_env, with_fresh_compiler
 
@@ -133,23 +133,11 @@ def _worker(rank, world_size, seed, root):
         plain, plain_issued = _train(name, fusedist.fully_shard, TorchPipelineStage, mesh, stages_per_rank, seed)
         out[name] = {"ours": _max_diff(ours, theirs), "torch's stage": _max_diff(plain, theirs),
                      "issued": ours_issued, "issued by torch's stage": plain_issued}
-        if name == "Schedule1F1B":  # torchtitan compiles each block: the same steps, bit for bit
-            compiled, _ = _train(name, _shard_compiled, PipelineStage, mesh, stages_per_rank, seed)
-            out["compiled blocks"] = _max_diff(compiled, ours)
+    # (blocks compiled as torchtitan compiles them: test_zero_bubble_with_compiled_or_checkpointed_blocks_...)
 
     out["checkpointer"] = _checkpointer_per_stage(mesh, seed, root)
 
     return out
-
-
-def _shard_compiled(module, mesh):
-    """fusedist.fully_shard, then torch.compile of a block (a stage's blocks start with a Linear)."""
-    import fusedist
-
-    fusedist.fully_shard(module, mesh=mesh)
-    if isinstance(module[0], nn.Linear):
-        module.compile(backend="aot_eager")
-    return module
 
 
 def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2(launched4):
@@ -161,7 +149,6 @@ def test_pipeline_stages_of_fully_shard_reduce_once_per_step_and_match_fsdp2(lau
             units = BLOCKS_PER_STAGE * stages_per_rank  # the stage modules' roots hold no parameters
             assert got["issued"] == units * STEPS, (rank, name, got)
             assert got["issued by torch's stage"] == units * STEPS * MICRO_BATCHES, (rank, name, got)
-        assert out["compiled blocks"] == 0.0, (seed, rank, out["compiled blocks"])
         checkpointer = out["checkpointer"]
         assert "give each stage a Checkpointer of its own" in checkpointer["one root"], checkpointer
         assert checkpointer["restored"] == [0, 1, 0, 1] and checkpointer["equal"], (rank, checkpointer)
@@ -481,7 +468,7 @@ def _count_weight_gradients_by_pass() -> tuple:
     """How many weight gradients autograd accumulates in input passes, weight passes and
     full passes of fusedist's stages: the counts, and what puts the counting hook on a stage
     module's gathered parameters."""
-    import fusedist.pipelining as stages
+    import fusedist.pipelining.stage as stages
 
     counts, phase = {}, ["full"]
 
@@ -715,7 +702,8 @@ class _Scale(nn.Module):
 def _blocks_variant_worker(rank, world_size, seed):
     """Whole parameters after 1 + STEPS steps under interleaved zero-bubble minus those under
     interleaved 1F1B, fusedist stages of blocks compiled, activation-checkpointed, or with a
-    custom function whose backward reads the weight."""
+    custom function whose backward reads the weight; and under interleaved 1F1B, compiled blocks
+    (torchtitan compiles each block) minus eager ones."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils.checkpoint import checkpoint
 
@@ -740,10 +728,11 @@ def _blocks_variant_worker(rank, world_size, seed):
         issued[(schedule_name, variant)] = _train_counting(schedule_name, modules, stages, placement, mesh, seed)
         return [fusedist.fsdp.full_state_dict(m) for m in modules]
 
-    issued = {}
-    out = {variant: _max_diff(train("ScheduleInterleavedZeroBubble", variant),
-                              train("ScheduleInterleaved1F1B", variant))
-           for variant in ("compiled", "checkpointed", "custom function")}
+    issued, variants = {}, ("compiled", "checkpointed", "custom function")
+    one_f_one_b = {variant: train("ScheduleInterleaved1F1B", variant) for variant in (*variants, "eager")}
+    out = {variant: _max_diff(train("ScheduleInterleavedZeroBubble", variant), one_f_one_b[variant])
+           for variant in variants}
+    out["compiled against eager"] = _max_diff(one_f_one_b["compiled"], one_f_one_b["eager"])
     return out, issued
 
 
@@ -754,10 +743,12 @@ def test_zero_bubble_with_compiled_or_checkpointed_blocks_trains_as_1f1b(launche
     as interleaved 1F1B over the same stages, bit for bit (each micro-batch's gradients are
     accumulated in the same order), with one reduce-scatter per unit and step: a custom
     function's node is both an intermediate of the weight pass and the maker of its unit's
-    output, whose backward hook must not start a backward of the unit there."""
+    output, whose backward hook must not start a backward of the unit there. Compiled blocks take the
+    same steps as eager ones under interleaved 1F1B, bit for bit."""
     seed = launched4["seed"]
     for rank, (out, issued) in enumerate(results_of(launched4, "block variants")):
-        assert out == {"compiled": 0.0, "checkpointed": 0.0, "custom function": 0.0}, (seed, rank, out)
+        assert out == {"compiled": 0.0, "checkpointed": 0.0, "custom function": 0.0,
+                       "compiled against eager": 0.0}, (seed, rank, out)
         # one reduce-scatter per unit and step, in either schedule (2 stages of 2 blocks per rank)
         assert set(issued.values()) == {2 * BLOCKS_PER_STAGE * STEPS}, (rank, issued)
 
@@ -766,8 +757,8 @@ def _weight_pass_after_a_forward_worker(rank, world_size, seed):
     """An input pass, a forward of another micro-batch (which reshards the blocks), then the
     weight pass: the gradients of the unsharded model's backward."""
     import fusedist
-    from fusedist import _pipeline_sync_switch as sync_switch
-    from fusedist import pipelining as stages
+    from fusedist.pipelining import sync_switch
+    from fusedist.pipelining import stage as stages
 
     def build():
         torch.manual_seed(seed)
@@ -807,7 +798,7 @@ def _empty_weight_pass_worker(rank, world_size, seed, wrap):
     step's last, around them (its weight pass computes nothing): the pieces' gradients against
     the unsharded model's for micro-batch 1. ``wrap``: fully_shard, or fusedist's DDP."""
     import fusedist
-    from fusedist import pipelining as stages
+    from fusedist.pipelining import stage as stages
 
     class Bypass(nn.Module):
         def __init__(self):
@@ -1095,8 +1086,8 @@ def test_a_pipelines_set_up_refusal_fails_its_data_parallel_peers_promptly(launc
 
 def _failures_counted(schedule) -> int:
     """The failed steps this rank counted in its stage's data-parallel group, for a peer's wait (Note [the next
-    step waits until the peers were told] in fusedist/_pipeline_told_peers.py)."""
-    from fusedist import _pipeline_told_peers as told_peers
+    step waits until the peers were told] in fusedist/pipelining/told_peers.py)."""
+    from fusedist.pipelining import told_peers
     from fusedist.reliability import monitor
 
     comm = told_peers.reduction_comms(schedule._stage.submod)[0]
@@ -1279,7 +1270,7 @@ def test_a_caught_first_step_failure_is_not_told_to_the_peers_once_training_goes
         assert good is None and late is None, (rank, good, late)
         assert out["left"] == [], (rank, out["left"])
         # every pipeline failed alike: no retry waits for its peers to be told (Note [the next step waits until
-        # the peers were told] in fusedist/_pipeline_told_peers.py)
+        # the peers were told] in fusedist/pipelining/told_peers.py)
         assert out["retry seconds"] < float(PROMPT_PROBE["FUSEDIST_DIVERGENCE_PROBE_S"]) + MARGIN_S, (rank, out)
     assert per_rank[2]["seconds"] > float(PROMPT_PROBE["FUSEDIST_DIVERGENCE_PROBE_S"]), per_rank[2]  # it waited
 
@@ -1354,7 +1345,7 @@ class _DataRank:
 
 
 def test_a_first_step_failure_retried_at_once_is_told_before_the_next_reductions(launched4):
-    """Note [the next step waits until the peers were told] (fusedist/_pipeline_told_peers.py): pipeline 0's
+    """Note [the next step waits until the peers were told] (fusedist/pipelining/told_peers.py): pipeline 0's
     failed first step is caught and retried at once. Its retry's reductions withdrew its failure entry before
     pipeline 1's probe (0.5 s) read it and paired with pipeline 1's reductions of the failed step: pipeline 1's
     first step returned, every rank applied one step mixing pipeline 0's second batch with pipeline 1's first
@@ -1378,7 +1369,7 @@ def test_a_first_step_failure_retried_at_once_is_told_before_the_next_reductions
 
 
 def test_a_retried_step_is_refused_on_every_rank_where_a_peer_reaches_its_reductions_late(launched4):
-    """Note [the next step waits until the peers were told] (fusedist/_pipeline_told_peers.py): as above, but
+    """Note [the next step waits until the peers were told] (fusedist/pipelining/told_peers.py): as above, but
     pipeline 1 reaches its first step's reductions a second after the wait's former bound (the probe's 0.5 s and
     MARGIN_S). Pipeline 0's retry went on at that bound, its reductions paired with pipeline 1's of the failed
     step: both steps returned, every rank applied one optimizer step mixing pipeline 0's second batch with
@@ -1652,7 +1643,7 @@ def test_an_uneven_first_step_is_refused_by_the_first_stage_naming_the_micro_bat
     the first stage's weights are untouched (GPipe runs every forward before any backward: no
     gradient was written). The second stage's rank, which waited for the group's timeout, raises the
     same refusal within 5 s (Note [a failure told at the step's end] in
-    fusedist/_pipeline_step_status.py), not the loss's mismatch on the zeros it was sent."""
+    fusedist/pipelining/step_status.py), not the loss's mismatch on the zeros it was sent."""
     seed = launched2["seed"]
     (first, seconds, written, moved), (second, seconds_after, _, moved_after) = results_of(
         launched2, "uneven first step")

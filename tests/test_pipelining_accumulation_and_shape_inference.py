@@ -1,4 +1,4 @@
-"""Pipeline stages (fusedist/pipelining.py) as a training loop uses them, against torch's
+"""Pipeline stages (fusedist/pipelining/__init__.py) as a training loop uses them, against torch's
 optimizer on the unpipelined model, in one launch of 2 gloo ranks:
 
 - gradient accumulation over two synchronized ``schedule.step()`` calls before one optimizer

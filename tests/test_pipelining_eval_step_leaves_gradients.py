@@ -1,4 +1,4 @@
-"""Pipeline stages (fusedist/pipelining.py): a forward-only ``schedule.eval`` leaves the
+"""Pipeline stages (fusedist/pipelining/__init__.py): a forward-only ``schedule.eval`` leaves the
 gradients a step's backwards produced as they are (Note [an eval step divides nothing]).
 
 torch's schedules end every step, an eval one included, by dividing the stage's gradients by

@@ -1,4 +1,4 @@
-"""More pipeline stages against torch (fusedist/pipelining.py): a ZeRO-2 optimizer over a DDP
+"""More pipeline stages against torch (fusedist/pipelining/__init__.py): a ZeRO-2 optimizer over a DDP
 stage, whose gradients live in the optimizer's shards rather than ``p.grad``, takes the
 schedule's division by the number of micro-batches (Note [gradients held outside p.grad]).
 

@@ -453,7 +453,7 @@ class FullyShardState:
     def _pre_backward(self, call: int, opened: tuple, grad):
         refuse_compiled_autograd("fully_shard", _WITH_COMPILED_AUTOGRAD)  # Note [compiled autograd refused]
         ctx, unit = self.ctx, self.unit
-        if ctx.backward_hooks_off:  # Note [zero-bubble passes of fusedist stages] in _pipeline_passes.py
+        if ctx.backward_hooks_off:  # Note [zero-bubble passes of fusedist stages] in fusedist/pipelining/passes.py
             return grad
         self._open_calls.update(opened)  # (open again in a repeated backward: Note [frozen parameters in backward])
         ctx.ensure_final_callback()

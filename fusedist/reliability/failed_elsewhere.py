@@ -19,7 +19,7 @@ as before. A rank whose group already holds its entry of a real collective failu
 Note [a failure entry withdrawn at the next launch]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Where nothing waits for the peers to read the entry (a pipeline's first-step failure, told along the pipeline
-by notices: Note [a first-step failure told to the data-parallel peers] in fusedist/_pipeline_step_status.py),
+by notices: Note [a first-step failure told to the data-parallel peers] in fusedist/pipelining/step_status.py),
 it was kept for good: after a caught failure the rank trained on, and any later wait of a peer blocked past
 the probe's delay (a rank saving a checkpoint, a slow data loader) was told of the old failure and gave the
 group up. What the entry says -- this rank waits in no collective of the group from collective ``seq`` on --

@@ -56,7 +56,7 @@ Note [step check]
     the verdict at the same point of its program, so on a mismatch the extra all-gather
     pairs up. (A pipeline stage reads a verdict the last bucket carried at its step's end
     instead, before any optimizer step: Note [the step check's verdict read at the step's end]
-    in fusedist/_pipeline_step_verdict.py.)
+    in fusedist/pipelining/step_verdict.py.)
 
     A rank that joined (ran out of inputs under ``model.join()``, Note [joined ranks] in
     fusedist/ddp/join.py) takes part with ``JOINED`` in every slot, which is below any ``v``
@@ -181,7 +181,7 @@ class StepCheck:
         """A one-element int64 tensor on ``device``, nonzero where the pending verdict says the ranks
         diverged; None where none is pending or its collective failed (:meth:`settle` raises that).
         No host wait on CUDA: the current stream waits for the check's copy event (Note [the step
-        check's verdict read at the step's end] in fusedist/_pipeline_step_verdict.py)."""
+        check's verdict read at the step's end] in fusedist/pipelining/step_verdict.py)."""
         if self._pending is None:
             return None
         handle, _, event, _, _ = self._pending

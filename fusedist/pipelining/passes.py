@@ -2,7 +2,7 @@
 (the stage inputs' gradients, sent upstream at once) and a weight pass (the weights'
 gradients, later), over the parameters the autograd graph holds, so that a sharded or DDP
 stage reduces its gradients through its usual hooks (Note [pipeline stages of fully_shard
-modules] in pipelining.py).
+modules] in __init__.py).
 
 Note [zero-bubble passes of fusedist stages]
     The input pass runs with gradient sync off and the parameters kept gathered, so the
@@ -50,7 +50,7 @@ def _weights(module) -> list:
     """The trainable parameters the autograd graph of ``module``'s forward holds: a
     ``fully_shard`` module's units' gathered parameters (each once: a tied weight is its
     owner's), a DDP module's own parameters."""
-    from .fsdp import FullyShardedModule
+    from ..fsdp import FullyShardedModule
 
     if not isinstance(module, FullyShardedModule):
         return [p for p in module.parameters() if p.requires_grad]
@@ -133,7 +133,7 @@ def _weight_pass(module, param_groups) -> None:
     of fusedist stages])."""
     from torch.distributed.pipelining._backward import stage_backward_weight
 
-    from .fsdp import FullyShardedModule
+    from ..fsdp import FullyShardedModule
 
     if param_groups is None:
         raise RuntimeError("fusedist.pipelining.PipelineStage: a weight pass without the input pass before it")
@@ -177,7 +177,7 @@ def _check_root_sharded(module, stage_index: int) -> None:
     torch's, over the units' pieces the graph never saw (Note [pipeline stages of fully_shard
     modules]): it failed inside torch with a KeyError of an ``AccumulateGrad`` node. Refuse it
     naming the fix instead."""
-    from .fsdp import FullyShardedModule
+    from ..fsdp import FullyShardedModule
 
     inner = next((name for name, m in module.named_modules() if isinstance(m, FullyShardedModule)), None)
     if inner is not None:

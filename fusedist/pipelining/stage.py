@@ -1,116 +1,6 @@
-"""Pipeline parallelism over sharded (or DDP) stages: torch's ``PipelineStage`` that reduces a
-stage's gradients once per step, not once per micro-batch.
-
-Note [pipeline stages of fully_shard modules]
-    torch's pipeline schedules (``torch.distributed.pipelining``) run one backward per
-    micro-batch. For a stage module sharded by torch's FSDP2 they switch its gradient sync
-    off for every micro-batch and reduce the accumulated gradients after the last one,
-    reaching into FSDP2's internals to do so; any other module is left alone. A
-    ``fusedist.fully_shard`` stage is such another module: the schedules are right with it
-    (GPipe, 1F1B, interleaved 1F1B and looped BFS give FSDP2's weights), but each of the ``n``
-    micro-batch backwards reduce-scatters the stage's gradients: ``n`` times the traffic of
-    one step.
-
-    This ``PipelineStage`` (the same constructor as torch's) does for a ``fully_shard``
-    stage what the schedules do for FSDP2, through the module's public switches: every
-    micro-batch backward but the stage's last runs with ``set_requires_gradient_sync(False)``
-    (the gradients accumulate unsharded, in ``reduce_dtype``) and
-    ``set_reshard_after_backward(False)`` (the parameters stay gathered for the next
-    micro-batch's backward); the step's last one (counted, below) reduce-scatters the sum
-    once and reshards. So one reduce-scatter per unit and step, as
-    FSDP2's. The user's own switch still holds: under ``set_requires_gradient_sync(False)``
-    (accumulating across steps; DDP's ``no_sync`` likewise) the last backward accumulates
-    too. A step that runs fewer backwards than micro-batches (a custom schedule) leaves
-    the gradients unreduced, and the optimizer step after it is refused by the step guard
-    rather than stepping on partial gradients.
-
-    Zero-bubble schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
-    ``ScheduleDualPipeV``) split each backward into an input pass (``B``: the gradients of the
-    stage's inputs, sent upstream at once) and a weight pass (``W``, later, filling the
-    pipeline's bubbles). torch's stage finds the weights' gradient paths from
-    ``submod.parameters()`` and writes ``.grad`` itself in the weight pass, outside the
-    gradient hooks a sharded unit reduces from: for a ``fully_shard`` stage those are the
-    pieces, which the graph never saw (the forward used the gathered parameters), so with
-    torch's own ``PipelineStage`` such a stage loses its gradients (and torch 2.13's FSDP2
-    ends with other weights under them than under 1F1B). Here (Note [zero-bubble passes of
-    fusedist stages] in _pipeline_passes.py) the input pass is torch's, over the parameters
-    the graph holds -- the units' gathered parameters -- accumulating nothing; the weight
-    pass is a backward from the intermediates the input pass saved to those parameters, so
-    their gradients arrive through the usual hooks and the unit reduces (or accumulates)
-    them as after any backward. Which backward is the step's last is counted rather than
-    taken from the schedule: each micro-batch's weight gradients are computed once, in a full
-    pass or a weight pass (the first stage, whose input pass torch skips, runs a full pass in
-    its weight slot), and the stage's ``n_microbatches``-th of a step -- counted from its
-    forward of micro-batch 0 -- reduces the sum.
-
-Note [a stage whose inputs need no gradient]
-    torch's input pass (zero-bubble schedules) keeps, for the weight pass, the intermediates
-    where the weights' gradient paths meet the stage inputs' -- and then cuts the graph. A
-    stage none of whose inputs requires a gradient (the stage after a frozen one: a frozen
-    embedding or encoder being fine-tuned past; the first stage, which torch special-cases, is
-    such a stage) has no such meeting point: torch's weight pass then computed nothing and the
-    stage's weights silently got no gradient at all. Here such a stage runs its whole backward
-    in the input slot (gradient sync off, so it only accumulates), and its weight pass, with
-    nothing left to compute, counts the micro-batch and in the step's last reduces the sums
-    (Note [zero-bubble passes of fusedist stages] in _pipeline_passes.py). The stage gives up
-    overlap of its weight gradients with the bubbles, not correctness.
-
-Note [pipeline stages of DDP modules]
-    A stage wrapped by ``fusedist.DistributedDataParallel`` (or a ``fusedist.replicate``
-    module) is treated alike, through its engine's switch for the next backward: torch's
-    ``no_sync`` is read at the forward, and a pipeline runs its forwards micro-batches ahead
-    of their backwards (1F1B runs a stage's first forwards before its first backward), so the
-    switch is set right before each backward instead -- accumulate, or (the step's last)
-    all-reduce the sum. Zero-bubble schedules run as for sharded stages. (For
-    torch's own DDP, torch's schedules reach into its reducer; under torch 2.13 they fail in
-    its bucket rebuild at the first step.) Any other stage module is left to torch's stage.
-
-Note [gradients held outside p.grad]
-    After a step's backwards torch's schedules divide the stage's gradients by the number of
-    micro-batches (``scale_grads``, the loss being each micro-batch's mean), through
-    ``p.grad`` of ``submod.parameters()``. A ``ZeroRedundancyOptimizer(stage=2)`` over a DDP
-    stage keeps them elsewhere: the reduce-scatter writes its shards and leaves ``p.grad``
-    None, so torch's division missed them and the step took ``n_microbatches`` times the
-    gradient (SGD moved that much too far; a clip saw that norm). The stage divides the shards
-    of such holders too -- what a scaler's unscale writes -- once per step, as torch does
-    ``p.grad``.
-
-Note [accumulating across pipeline steps]
-    Under the user's ``set_requires_gradient_sync(False)`` or DDP's ``no_sync`` a step only
-    accumulates (above), and the next synchronized step reduces the sum of both. torch's
-    division of ``p.grad`` at each step's end would then divide the first step's part twice
-    for a DDP stage, whose ``p.grad`` holds it (``g1 / n**2 + g2 / n``), and not at all for a
-    ``fully_shard`` stage, whose unsharded sum is not ``p.grad`` yet (``(g1 + g2) / n``, the
-    gradient of the two steps' losses, as without pipelining). So a step that only
-    accumulates divides nothing, and the synchronized step divides the whole sum once: every
-    fusedist stage gives ``(g1 + g2) / n``.
-
-Note [an eval step divides nothing]
-    torch's schedules end every step, ``schedule.eval(...)`` (forward only) included, with the
-    division of the stage's gradients by the micro-batch count. An evaluation run between a
-    step's backwards and its optimizer step thus divided the gradients held then once more
-    (ZeRO-2's shards too): the update came out ``n_microbatches`` times too small, silently.
-    A forward-only step computes no gradient, so it divides none.
-
-Note [accumulating over synchronized pipeline steps]
-    In _pipeline_set_aside.py: a step takes, and divides, only its own part of the gradients held.
-
-Note [a step that raised]
-    In _pipeline_step_failures.py: after a step that raised before its end, the next step on a
-    one-rank pipeline drops what it left (losses, gradients, buffers), and on several ranks is refused.
-
-Note [several devices in one stage]
-    In _pipeline_set_aside.py.
-
-Note [a batch smaller than n_microbatches]
-    In _pipeline_small_batch.py: a step's batch with fewer rows than ``n_microbatches`` is refused on every rank
-    at once, naming the rows, the count and the stage that took it.
-
-Note [the step check's verdict read at the step's end]
-    In _pipeline_step_verdict.py: a DDP or ``fully_shard`` stage's data-parallel peers that diverged in a step
-    are named at the step's end, on every rank, before any optimizer step; and Note [a retried step paired with
-    a late peer's] there.
-"""
+"""The pipeline stage class: torch's ``PipelineStage`` with its forward, backward and step hooks
+overridden. What it does and why is told in the package's Notes (__init__.py); the parts it calls
+live in the package's other modules, one job each."""
 
 from __future__ import annotations
 
@@ -121,27 +11,27 @@ import weakref
 import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 
-from ._pipeline_inference import (
+from .inference import (
     InferenceFailed, PeerFailedFirstSend, PeerInferenceFailed, activations_carry_gradients, arm_first_sends,
     check_even_split, check_sent_outputs, check_shapes, check_stage_outputs, failing_inference, failure_message,
     next_on_another_rank, notice_recv_ops, notice_send_ops, over_copied_buffers, read_notice, send_failure)
-from ._pipeline_notice_back import (
+from .notice_back import (
     PeerFailedFirstSendAfter, arm_back, back_recv_ops, back_send_ops, guard_first_loss, read_back_notice,
     tell_upstream)
-from ._pipeline_passes import _as_full, _check_root_sharded, _input_pass, _plain_weight_pass, _weight_pass, _weights
-from ._pipeline_placement import check_placement
-from ._pipeline_small_batch import refuse_short_batch, wrap_split
-from ._pipeline_step_failures import Step, after_the_last_step, kept_buffers, last_schedule, schedule_stepping
-from ._pipeline_schedule_step import wrap_step
-from ._pipeline_set_aside import _divided, _give_back, _holders_outside_grad, _SetAside
-from ._pipeline_step_status import (
+from .passes import _as_full, _check_root_sharded, _input_pass, _plain_weight_pass, _weight_pass, _weights
+from .placement import check_placement
+from .small_batch import refuse_short_batch, restore_count, wrap_split
+from .step_failures import Step, after_the_last_step, kept_buffers, last_schedule, schedule_stepping
+from .schedule_step import wrap_step
+from .set_aside import _divided, _give_back, _holders_outside_grad, _SetAside
+from .step_status import (
     backward_failure_told, began, micro_batches, publish_first_step_failure, put_back_buffers, several_armed,
     single_armed, status_armed, step_end_failure, told_at_step_end)
-from ._pipeline_step_verdict import StepVerdicts, raise_told, read_now
-from ._pipeline_sync_switch import _sync_switch, _torch_data_parallel, _user_sync
-from ._pipeline_told_peers import step_began, wait_until_told
-from ._pipeline_vote import backward_result, forward_vote
-from .reliability import failed_elsewhere
+from .step_verdict import StepVerdicts, raise_told, read_now
+from .sync_switch import _sync_switch, _torch_data_parallel, _user_sync
+from .told_peers import step_began, wait_until_told
+from .vote import backward_result, forward_vote
+from ..reliability import failed_elsewhere
 
 __all__ = ["PipelineStage"]
 
@@ -156,22 +46,22 @@ class PipelineStage(_TorchPipelineStage):
     """torch's ``PipelineStage`` for a stage module sharded by ``fusedist.fully_shard`` or
     wrapped by fusedist's DDP: one gradient reduction per step (Note [pipeline stages of
     fully_shard modules], Note [pipeline stages of DDP modules]); it refuses a micro-batch of another shape
-    than the first (Note [micro-batches of another shape] in _pipeline_inference.py); it also trains a stage whose
+    than the first (Note [micro-batches of another shape] in inference.py); it also trains a stage whose
     inputs need no gradient under zero-bubble schedules (Note [a stage whose inputs need no gradient]),
     refuses a step's micro-batches of unequal shapes on one rank (Note [uneven micro-batches on one rank]),
     leaves no trace of a step that raised, or refuses the next (Note [a step that raised]; also where its own part
-    of the step had ended: Note [a stage that ended in a step that raised] in _pipeline_step_failures.py),
+    of the step had ended: Note [a stage that ended in a step that raised] in step_failures.py),
     fails a first send it
-    cannot make on the receiving rank too (Note [a first send that cannot be made] in _pipeline_inference.py),
+    cannot make on the receiving rank too (Note [a first send that cannot be made] in inference.py),
     and on the ranks before it (Note [a first send that cannot be made, told upstream] in
-    _pipeline_notice_back.py), fails every rank at once after a failure anywhere in a step (Note [a failure
-    told at the step's end] in _pipeline_step_status.py), and every data-parallel peer too (Note [a first-step
+    notice_back.py), fails every rank at once after a failure anywhere in a step (Note [a failure
+    told at the step's end] in step_status.py), and every data-parallel peer too (Note [a first-step
     failure told to the data-parallel peers] there), refuses schedules of different micro-batch counts on
-    every rank at once (Note [micro-batch counts that differ across ranks] in _pipeline_vote.py), and stage counts
-    or placements that differ (Note [stage counts that differ across ranks] in _pipeline_placement.py),
-    and weights whose paths go around the inputs' (Note [weight paths around the inputs] in _pipeline_passes.py);
+    every rank at once (Note [micro-batch counts that differ across ranks] in vote.py), and stage counts
+    or placements that differ (Note [stage counts that differ across ranks] in placement.py),
+    and weights whose paths go around the inputs' (Note [weight paths around the inputs] in passes.py);
     torch's shape inference leaves its buffers as they were (Note [shape inference leaves the stage
-    as it was] in _pipeline_inference.py)."""
+    as it was] in inference.py)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -179,7 +69,7 @@ class PipelineStage(_TorchPipelineStage):
 
     def _forward_metadata_inference(self, args, kwargs=None, has_backward: bool = False):
         with over_copied_buffers(self.submod):  # Note [shape inference leaves the stage as it was]
-            # Note [a shape inference that fails on one rank] (_pipeline_inference.py)
+            # Note [a shape inference that fails on one rank] (inference.py)
             return failing_inference(self, lambda: _refusing_short_batches(self, lambda: super(
                 PipelineStage, self)._forward_metadata_inference(args, kwargs, has_backward)),
                 backward=False, has_backward=has_backward, told=self._told)
@@ -216,7 +106,7 @@ class PipelineStage(_TorchPipelineStage):
             schedule = schedule_stepping(self)
             found = (getattr(schedule, "_stage", None), *getattr(schedule, "_stages", ()))
             stages = [s for s in found if s is not None]
-            try:  # Note [stage counts that differ across ranks] (_pipeline_placement.py)
+            try:  # Note [stage counts that differ across ranks] (placement.py)
                 check_placement(self, stages or [self])
             except RuntimeError as e:  # (told to the data-parallel peers too: Note [a first-step failure told...)
                 publish_first_step_failure(self, str(e))
@@ -225,19 +115,19 @@ class PipelineStage(_TorchPipelineStage):
         return forward_vote(self, has_backward, received_acc)  # Note [micro-batch counts that differ across ranks]
 
     def _warmup_backward_result(self, received_result=None):
-        return backward_result(self, received_result)  # (_pipeline_vote.py)
+        return backward_result(self, received_result)  # (vote.py)
 
     def _prepare_forward_infra(self, *args, **kwargs):
         refusal, self._counts_differ = getattr(self, "_counts_differ", None), None
         if refusal is not None:  # every rank raises here, before the step's first message
-            publish_first_step_failure(self, refusal)  # (and its data-parallel peers learn it: _pipeline_step_status)
+            publish_first_step_failure(self, refusal)  # (and its data-parallel peers learn it: step_status.py)
             self._told()
             raise RuntimeError(refusal)
         if getattr(getattr(self, "_inference_mode", None), "value", None) == "static":
-            activations_carry_gradients(self)  # Note [examples that need no gradient] (_pipeline_inference.py)
+            activations_carry_gradients(self)  # Note [examples that need no gradient] (inference.py)
         out = super()._prepare_forward_infra(*args, **kwargs)
-        arm_first_sends(self)  # Note [a first send that cannot be made] (_pipeline_inference.py)
-        # Note [a first send that cannot be made, told upstream] (_pipeline_notice_back.py)
+        arm_first_sends(self)  # Note [a first send that cannot be made] (inference.py)
+        # Note [a first send that cannot be made, told upstream] (notice_back.py)
         arm_back(self, kwargs.get("has_backward", args[3] if len(args) > 3 else False))
         return out
 
@@ -258,32 +148,32 @@ class PipelineStage(_TorchPipelineStage):
         return back_send_ops(self, bwd_chunk_id) + super().get_bwd_send_ops(bwd_chunk_id)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        try:  # Note [a first send that cannot be made, told upstream] (_pipeline_notice_back.py)
+        try:  # Note [a first send that cannot be made, told upstream] (notice_back.py)
             read_back_notice(self, bwd_chunk_id)
         except PeerFailedFirstSendAfter as e:
             publish_first_step_failure(self, str(e))  # Note [a first-step failure told to the data-parallel peers]
             tell_upstream(self, bwd_chunk_id, str(e), told=True)
-            put_back_buffers(self)  # Note [the buffers a failed step puts back] (_pipeline_step_failures.py)
+            put_back_buffers(self)  # Note [the buffers a failed step puts back] (step_failures.py)
             raise RuntimeError(str(e)) from None
         with backward_failure_told(self, bwd_chunk_id):  # Note [a failure told at the step's end]
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        with backward_failure_told(self, bwd_chunk_id):  # (_pipeline_step_status.py)
+        with backward_failure_told(self, bwd_chunk_id):  # (step_status.py)
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def forward_one_chunk(self, fwd_chunk_id: int, args=(), *rest, **kwargs):
-        try:  # Note [a first send that cannot be made] (_pipeline_inference.py)
+        try:  # Note [a first send that cannot be made] (inference.py)
             read_notice(self, fwd_chunk_id)
             return self._forward_one_chunk(fwd_chunk_id, args, *rest, **kwargs)
         except Exception as e:
             told = fwd_chunk_id == 0 and (getattr(self, "_notice_to", False) or getattr(self, "_back_notice_to", False))
             if not isinstance(e, PeerFailedFirstSend) and not (told and getattr(self, "_back_armed", False)) \
                     and (failed := told_at_step_end(self, fwd_chunk_id, e, "", False)) is not None:
-                raise failed from e  # Note [a failure told at the step's end] (_pipeline_step_status.py)
-            put_back_buffers(self)  # Note [the buffers a failed step puts back] (_pipeline_step_failures.py)
+                raise failed from e  # Note [a failure told at the step's end] (step_status.py)
+            put_back_buffers(self)  # Note [the buffers a failed step puts back] (step_failures.py)
             # a wait failed by a data-parallel peer's failure tells that failure (Note [a first-step failure told
-            # to the data-parallel peers] in _pipeline_step_status.py), and this rank publishes what it raises
+            # to the data-parallel peers] in step_status.py), and this rank publishes what it raises
             elsewhere = None if isinstance(e, PeerFailedFirstSend) else failed_elsewhere.failure_told(e)
             message = elsewhere or (str(e) if isinstance(e, PeerFailedFirstSend) else failure_message(
                 self, fwd_chunk_id, e))
@@ -292,7 +182,7 @@ class PipelineStage(_TorchPipelineStage):
             send_failure(self, fwd_chunk_id, e, message)
             if isinstance(e, PeerFailedFirstSend):
                 raise RuntimeError(message) from None
-            tell_upstream(self, fwd_chunk_id, message, told=False)  # (_pipeline_notice_back.py)
+            tell_upstream(self, fwd_chunk_id, message, told=False)  # (notice_back.py)
             if (told or elsewhere) and message != str(e):  # the message the other ranks raise: stage and cause
                 raise RuntimeError(message) from e
             raise
@@ -310,7 +200,7 @@ class PipelineStage(_TorchPipelineStage):
                 self._held_over = False
                 if step is not None:
                     step.began(self.submod, held_over)
-        if fwd_chunk_id == 0:  # Note [a batch smaller than n_microbatches] (_pipeline_small_batch.py)
+        if fwd_chunk_id == 0:  # Note [a batch smaller than n_microbatches] (small_batch.py)
             refuse_short_batch(self, "inputs")
             refuse_short_batch(self, "target")
         # Note [micro-batches of another shape] (torch releases without the buffers' metadata: not checked)
@@ -346,11 +236,11 @@ class PipelineStage(_TorchPipelineStage):
         if sync_only_if is None:  # not a module of fusedist's data parallelism
             if backward_type == "full" or _torch_data_parallel(self.submod):  # torch's stage decides
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
-            if backward_type == "input":  # Note [weight paths around the inputs] (_pipeline_passes.py)
+            if backward_type == "input":  # Note [weight paths around the inputs] (passes.py)
                 return _input_pass(self.submod, bwd_kwargs)
             _plain_weight_pass(self.submod, bwd_kwargs["param_groups"])
             return (), None
-        if backward_type == "input":  # Note [zero-bubble passes of fusedist stages] (_pipeline_passes.py)
+        if backward_type == "input":  # Note [zero-bubble passes of fusedist stages] (passes.py)
             with sync_only_if(False):
                 return _input_pass(self.submod, bwd_kwargs)
         # Each micro-batch's weight gradients are computed once, in a full pass or a weight
@@ -370,17 +260,18 @@ class PipelineStage(_TorchPipelineStage):
         that raised])."""
         schedule, gave_up = schedule_stepping(self), None
         if schedule is not None:
+            restore_count(schedule)  # (a count lent to a split that raised: Note [a batch smaller than ...])
             plain = self._plain_stage = _sync_switch(self.submod) is None and not _torch_data_parallel(self.submod)
             after_the_last_step(self, schedule, plain)
             self._step, self._stepping = Step(), weakref.ref(schedule)
             step_began(self)  # (its number, for the errors of Note [the next step waits until the peers...])
             if self.is_last:
                 guard_first_loss(schedule)  # Note [a first send that cannot be made, told upstream]
-            wrap_step(schedule)  # Note [the targets a step was given] (_pipeline_schedule_step.py)
-            wrap_split(schedule)  # Note [a batch smaller than n_microbatches] (_pipeline_small_batch.py)
+            wrap_step(schedule)  # Note [the targets a step was given] (schedule_step.py)
+            wrap_split(schedule)  # Note [a batch smaller than n_microbatches] (small_batch.py)
             if getattr(self, "_published_elsewhere", None):  # (the last step published its failure)
                 gave_up = wait_until_told(self, self._published_elsewhere)  # Note [the next step waits until the...
-        began(self, schedule is not None)  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+        began(self, schedule is not None)  # Note [a failure told at the step's end] (step_status.py)
         self._peers_gave_up_on = gave_up
         super().clear_runtime_states()
 
@@ -390,11 +281,11 @@ class PipelineStage(_TorchPipelineStage):
                 self._reduce_held = grad_scale_factor
                 return
             return super().perform_reduce_grad(grad_scale_factor)
-        # Note [the step check's verdict read at the step's end] (_pipeline_step_verdict.py)
+        # Note [the step check's verdict read at the step's end] (step_verdict.py)
         if self.group_size == 1:
             read_now(self)
         verdicts = StepVerdicts([self]) if single_armed(self) and not getattr(self, "_status_told", False) else None
-        # Note [a failure told at the step's end] (_pipeline_step_status.py)
+        # Note [a failure told at the step's end] (step_status.py)
         failure = step_end_failure(self, verdicts)
         if failure is not None:
             raise_told(failure, verdicts)
@@ -443,7 +334,7 @@ def stage_holders_outside_grad() -> list:
 
 def _refusing_short_batches(stage, infer):
     """The stage's shape inference, refusing a step's batch too short to split (Note [a batch smaller than
-    n_microbatches] in _pipeline_small_batch.py): the first stage's inputs before it runs on them, the last
+    n_microbatches] in small_batch.py): the first stage's inputs before it runs on them, the last
     stage's target after its inference, where a failure of its own forward would be."""
     refuse_short_batch(stage, "inputs", named=False)
     result = infer()

@@ -2,7 +2,7 @@
 
 Note [the next step waits until the peers were told]
     A failure published for the data-parallel peers (Note [a first-step failure told to the data-parallel
-    peers], Note [a one-rank pipeline's failure told to its data-parallel peers] in _pipeline_step_status.py)
+    peers], Note [a one-rank pipeline's failure told to its data-parallel peers] in step_status.py)
     stands until the rank's next launch in each group (Note [a failure entry withdrawn at the next launch] in
     fusedist/reliability/failed_elsewhere.py). A peer reads it only once its wait has blocked past
     ``FUSEDIST_DIVERGENCE_PROBE_S``. Where the failing rank caught its error and took its next step at once (a
@@ -36,7 +36,7 @@ Note [the next step waits until the peers were told]
     groups the failure was published to (another model's, an earlier phase's whose peers moved on) are waited
     for up to the probe's delay and ``MARGIN_S`` only, and the step goes on. A peer that failed the same step
     without publishing it -- told at the step's end by its pipeline's status exchange (Note [a failure told at
-    the step's end] in _pipeline_step_status.py), it reaches no reduction and so is never told -- counts that
+    the step's end] in step_status.py), it reaches no reduction and so is never told -- counts that
     failed step as a published one (once a step), so the wait ends for it at once.
 
     Costs nothing on a step after one that published nothing; after one: a store count per group at the
@@ -45,7 +45,7 @@ Note [the next step waits until the peers were told]
     (``FUSEDIST_DIVERGENCE_PROBE_S=0``, ``FUSEDIST_CHECKS=0``): no peer reads the entries, and a late peer's
     reductions still pair with the retried step's; with the step check on, that step raises at its end on
     every rank, before any optimizer step, naming each data-parallel rank's step (Note [a retried step paired
-    with a late peer's] in _pipeline_step_verdict.py).
+    with a late peer's] in step_verdict.py).
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from ._rank import this_rank
-from .comm.store_reads import read_count
-from .reliability import stall_report
+from .._rank import this_rank
+from ..comm.store_reads import read_count
+from ..reliability import group_left, stall_report
 
 #: How long past the probe's delay a group the stage's gradients are not reduced over is waited for (the probe
 #: reads every 0.25 s past it).
@@ -85,7 +85,7 @@ def count_failed_step(stage) -> None:
     as a published one in each group a failure is published to, once a step, so that a data-parallel peer
     whose pipeline published its failure of this step does not wait for this rank, which failed alike
     without publishing (Note [the next step waits until the peers were told]). Never raises."""
-    from .reliability import monitor as _monitor
+    from ..reliability import monitor as _monitor
 
     count_published([m for m in list(_monitor._monitors) if m.store is not None and not m.reports], stage)
 
@@ -102,7 +102,7 @@ def wait_until_told(stage, monitors: list) -> Optional[str]:
     in the groups the stage's gradients are reduced over, up to their collective timeout, elsewhere up to the
     probe's delay and ``MARGIN_S``. The failure told where a peer gave its group up on reading it (this step's
     reductions there then fail), else None. Raises where a peer of a reducing group is neither by then."""
-    from .reliability.config import checks_enabled, divergence_probe_s
+    from ..reliability.config import checks_enabled, divergence_probe_s
 
     try:
         delay = divergence_probe_s() if checks_enabled() else 0.0
@@ -134,9 +134,9 @@ def wait_until_told(stage, monitors: list) -> Optional[str]:
 def reduction_comms(module) -> list:
     """The communicators a stage module's gradients are reduced over: its fusedist DDP (or replicate) engine's,
     its ``fully_shard`` units' (shard and replicate groups)."""
-    from ._pipeline_sync_switch import ddp_engine_of
-    from .fsdp import FullyShardedModule
-    from .fsdp.state import state_of
+    from .sync_switch import ddp_engine_of
+    from ..fsdp import FullyShardedModule
+    from ..fsdp.state import state_of
 
     engine = ddp_engine_of(module)
     comms = [engine.comm] if engine is not None else []
@@ -168,7 +168,7 @@ def with_the_failure_told_before(stage, message: str) -> str:
 
 def _not_told(stage, monitor, untold: list, waited: float) -> str:
     """The error of a step whose peers were neither told of the rank's failure in the step before nor failed."""
-    from .comm.base import global_ranks
+    from ..comm.base import global_ranks
 
     step = getattr(stage, "_steps_begun", 0)
     try:
@@ -233,6 +233,11 @@ def _first_count_of_the_step(stage) -> bool:
 
 def _step_owner(stage):
     """What one step of the rank is counted on: the stage's schedule, or the stage driven by hand."""
-    from ._pipeline_step_failures import last_schedule
+    from .step_failures import last_schedule
 
     return last_schedule(stage) or stage
+
+
+# The counts go with the group's other entries once every rank has left it (Note [the last rank to leave a group
+# clears its entries] in fusedist/reliability/group_left.py): one key per rank and failed group, left for good before.
+group_left.delete_with_group(lambda monitor: [_count_key(monitor, r) for r in range(monitor.comm.world_size)])

@@ -1,6 +1,6 @@
 """How a stage module's next backward is made to reduce its gradients or only accumulate them: the
 switches of fusedist's data parallelism (Note [pipeline stages of fully_shard modules] and Note [pipeline
-stages of DDP modules] in pipelining.py), set per backward, not per forward."""
+stages of DDP modules] in __init__.py), set per backward, not per forward."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _sync_switch(module):
     """How to make the next backward of a stage module synchronize its gradients or only
     accumulate them: a context manager taking ``last``, or None for a module fusedist does not
     reduce (Note [pipeline stages of fully_shard modules])."""
-    from .fsdp import FullyShardedModule
+    from ..fsdp import FullyShardedModule
 
     if isinstance(module, FullyShardedModule):
         return lambda last: _micro_batch(module, last)
@@ -55,8 +55,8 @@ def _sync_switch(module):
 def ddp_engine_of(module):
     """The fusedist DDP engine of a stage module: the module itself (a DistributedDataParallel), a
     ``fusedist.replicate`` module's (built at its first forward), or None."""
-    from .ddp import DistributedDataParallel
-    from .ddp.replicate import wrapper_of
+    from ..ddp import DistributedDataParallel
+    from ..ddp.replicate import wrapper_of
 
     return module if isinstance(module, DistributedDataParallel) else wrapper_of(module)
 
@@ -65,9 +65,9 @@ def _user_sync(module) -> Optional[bool]:
     """The user's own switch of a stage module fusedist reduces: False under
     ``set_requires_gradient_sync(False)`` or DDP's ``no_sync`` (accumulating across steps),
     None for a module fusedist does not reduce."""
-    from .ddp import DistributedDataParallel
-    from .ddp.replicate import _STATE, wrapper_of
-    from .fsdp import FullyShardedModule
+    from ..ddp import DistributedDataParallel
+    from ..ddp.replicate import _STATE, wrapper_of
+    from ..fsdp import FullyShardedModule
 
     if isinstance(module, FullyShardedModule):
         return all(st.grads.reduce_grads for st in module._fs_states() if st.grads is not None)

@@ -8,11 +8,12 @@ Note [stage counts that differ across ranks]
     then paired one stage's forward vote with another's backward result, and the ranks waited on each other
     until the process group's timeout (torch's own stage alike: 30 minutes by default, with an error naming
     no stage). At each set-up (first step, a switch between training and ``eval``) the rank's first stage
-    in the vote gathers, over the pipeline's group, each rank's ``num_stages`` and its stages' indices (two
-    small all-gathers), before the vote's first message. Where the counts differ, or a stage index is held
-    by no rank or by two, every rank raises the same message, naming each rank's count and stages: no
-    message of the step is left unmatched, and the step does not count as one that raised (Note [a step
-    that raised] in _pipeline_step_failures.py).
+    in the vote gathers, over the pipeline's group, each rank's ``num_stages`` and its stages' indices (one
+    small all-gather of a fixed width, room for ``_SLOTS`` indices a rank: a second, as wide as the most
+    stages a rank holds, only where a rank holds more), before the vote's first message. Where the counts
+    differ, or a stage index is held by no rank or by two, every rank raises the same message, naming each
+    rank's count and stages: no message of the step is left unmatched, and the step does not count as one
+    that raised (Note [a step that raised] in step_failures.py).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ def check_placement(stage, stages: list) -> None:
     if stage.group_size == 1:
         held = {stage.group_rank: (count, mine)}
     else:
-        firsts = _gathered(stage, [count, len(mine)])
-        width = max(n for _, n in firsts)
-        padded = _gathered(stage, mine + [-1] * (width - len(mine)))
-        held = {r: (firsts[r][0], [i for i in padded[r] if i >= 0]) for r in range(stage.group_size)}
+        rows = _gathered(stage, [count, len(mine)] + _padded(mine, _SLOTS))
+        width = max(n for _, n, *_ in rows)
+        indices = [row[2:] for row in rows] if width <= _SLOTS else _gathered(stage, _padded(mine, width))
+        held = {r: (rows[r][0], [i for i in indices[r] if i >= 0]) for r in range(stage.group_size)}
     problem = _problem(held)
     if problem is not None:
         raise RuntimeError(_message(held, problem))
@@ -47,8 +48,15 @@ def _gathered(stage, values: list) -> list:
     return [t.cpu().tolist() for t in every]
 
 
+def _padded(indices: list, width: int) -> list:
+    """The indices in ``width`` slots, -1 in those left (all of them where there are more: gathered again)."""
+    return indices + [-1] * (width - len(indices)) if len(indices) <= width else [-1] * width
+
+
 #: the count a rank whose own stages were built with different ``num_stages`` gathers
 _SEVERAL = -1
+#: the stage indices a rank sends in the one all-gather of a set-up (interleaved schedules hold a few a rank)
+_SLOTS = 8
 
 
 def _problem(held: dict):

@@ -13,11 +13,11 @@ Note [micro-batch counts that differ across ranks]
     whose schedule differs, and every stage records the verdict. The set-up of the stages that follows,
     on every rank, raises it -- naming the stages, their ranks and counts -- before any message of the
     step: no message is left unmatched, the process group stays usable, and the step does not count as
-    one that raised (Note [a step that raised] in _pipeline_step_failures.py). The vote's message is the
+    one that raised (Note [a step that raised] in step_failures.py). The vote's message is the
     stage's own (four integers, not torch's one): every stage of the pipeline is a fusedist stage.
     Each rank raising the refusal (or one of Note [stage counts that differ across ranks] in
-    _pipeline_placement.py) first publishes it to its data-parallel peers, as a failure of the first step
-    (Note [a first-step failure told to the data-parallel peers] in _pipeline_step_status.py): with pp x dp,
+    placement.py) first publishes it to its data-parallel peers, as a failure of the first step
+    (Note [a first-step failure told to the data-parallel peers] in step_status.py): with pp x dp,
     the other pipelines waited in reductions the refusing one never issues until the collective timeout,
     and now raise the refusal about the divergence probe's delay later.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._pipeline_step_failures import schedule_stepping
+from .step_failures import schedule_stepping
 
 
 def _own_count(stage) -> int:

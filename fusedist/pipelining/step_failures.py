@@ -12,7 +12,7 @@ Note [a step that raised]
     stage finds the schedule -- a step that ended leaves nothing; one that raised before its end:
     - on a pipeline whose stages are all on this rank, the schedule's leftover losses are
       dropped, the gradients put back as the step found them (from the set-aside of Note
-      [accumulating over synchronized pipeline steps] in _pipeline_set_aside.py; those it found None set to
+      [accumulating over synchronized pipeline steps] in set_aside.py; those it found None set to
       None again), and the step runs, as a fresh schedule's would. A stage module fusedist or torch
       reduces keeps unreduced sums this cannot put back, as does a step accumulating under the
       user's own switch: after backward passes such a stage refuses every later step instead.
@@ -27,10 +27,10 @@ Note [a step that raised]
       messages with theirs -- activations and gradients of other micro-batches, another step's
       targets -- silently. So the rank refuses this and every later step, naming what it had
       done; the peers' steps fail too -- at once where the failure is told to every rank (Note [a
-      failure told at the step's end] in _pipeline_step_status.py), else at the process group's
+      failure told at the step's end] in step_status.py), else at the process group's
       timeout (or when this process ends) -- and refuse theirs in turn.
     A step whose shape inference failed on every rank at once left nothing unmatched (Note [a
-    shape inference that fails on one rank] in _pipeline_inference.py): it counts as ended.
+    shape inference that fails on one rank] in inference.py): it counts as ended.
     A step driven by hand (no schedule's ``step``) is not tracked. The leftover losses of a step
     that ended (an ``eval`` whose ``loss_fn`` raised on the last micro-batch) are dropped too.
 
@@ -40,7 +40,7 @@ Note [a stage that ended in a step that raised]
     micro-batch, after stage 1's). The step raised, but that stage's step counted as ended: the next step
     kept its gradients of the failed step and added the new step's to them, silently (2e-2 to 1e-1 off the
     unpipelined model's, whatever the stage module). The schedule's step now records whether it raised (Note
-    [the targets a step was given] in _pipeline_schedule_step.py wraps it), and such a stage counts as one
+    [the targets a step was given] in schedule_step.py wraps it), and such a stage counts as one
     whose step raised: a stage module no one reduces gets its gradients back from the set-aside, kept past the
     step's division until the next step begins (no copy more: the one the step took), and its buffers from the
     step's record, kept likewise; one fusedist or torch reduces refuses every later step, naming why.
@@ -61,8 +61,8 @@ Note [the buffers a failed step puts back]
     ``buf.data``, which counts apart) is neither learned nor put back, as in torch's stage, for a
     buffer not known to move; a running statistic is put back whatever updated it.
     On a pipeline over several ranks the buffers were put back on one rank only: a failure told to every
-    rank (Note [a failure told at the step's end] in _pipeline_step_status.py, and the notices of a first
-    send that cannot be made in _pipeline_inference.py and _pipeline_notice_back.py) left every rank's
+    rank (Note [a failure told at the step's end] in step_status.py, and the notices of a first
+    send that cannot be made in inference.py and notice_back.py) left every rank's
     forwards' updates in place (a BatchNorm's batch count 0 -> 4 on rank 0 after a failed first step),
     though no rank applied the step. The same record is now taken where such failures are told, and every
     rank puts its buffers back when it raises the failure (its next step being refused). The cost on a step
@@ -163,7 +163,7 @@ def ended_in_a_step_that_raised(stage, step) -> bool:
 
 def put_back_gradients(stage, step) -> None:
     """The gradients as ``step`` found them, from the set-aside its first backward took (Note [accumulating
-    over synchronized pipeline steps] in _pipeline_set_aside.py), kept past the step's division where the step
+    over synchronized pipeline steps] in set_aside.py), kept past the step's division where the step
     ended; those it found None set to None again."""
     with torch.no_grad():
         held = getattr(stage, "_held_before", None) or step.set_aside

@@ -2,7 +2,7 @@
 learn of it in place of micro-batch 0's gradient, instead of at the process group's timeout.
 
 Note [a first send that cannot be made, told upstream]
-    Note [a first send that cannot be made] (_pipeline_inference.py) tells the ranks after a failing stage
+    Note [a first send that cannot be made] (inference.py) tells the ranks after a failing stage
     (its status message travels ahead of micro-batch 0's activations). A rank holding the stage before it
     (rank 0 when stage 1 of a three-rank pipeline fails) waited for micro-batch 0's gradient -- or, first,
     for its sends of later micro-batches' activations to be taken (gloo's sends wait for their receive) --
@@ -16,14 +16,14 @@ Note [a first send that cannot be made, told upstream]
     backward, sends zeros for the activations it has not sent yet (the receives posted for them are waiting),
     raises the same message, and passes it on the same way to the rank before it. Every message of the step
     is matched: every rank fails at once, naming the stage and its exception, and the process group stays
-    usable. The step counts as one that raised (Note [a step that raised] in _pipeline_step_failures.py):
+    usable. The step counts as one that raised (Note [a step that raised] in step_failures.py):
     every later step is refused, the fix is a restart. Armed where every stage is on a rank of its own
     (``ScheduleGPipe``, ``Schedule1F1B``, ...); with several stages on a rank a failure is told at the step's
-    end (Note [a failure told at the step's end, several stages per rank] in _pipeline_schedule_step.py). As
+    end (Note [a failure told at the step's end, several stages per rank] in schedule_step.py). As
     the forward notice, it covers micro-batch 0 of the first training step after a set-up (with shape
     inference, that step's failures are the inference's: Note [a shape inference that fails on one rank]);
     a failure at a later micro-batch or step, in a backward, or in a forward-only step is told at the step's
-    end (Note [a failure told at the step's end] in _pipeline_step_status.py).
+    end (Note [a failure told at the step's end] in step_status.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from ._pipeline_inference import (
+from .inference import (
     _FAILED, _SENT, NOTICE_BYTES, NOTICE_WAIT_S, _notice, failure_message, notice_failure)
 
 
@@ -109,7 +109,7 @@ def tell_upstream(stage, chunk: int, message: str, told: bool) -> None:
 def guard_first_loss(schedule) -> None:
     """The last stage's loss, when it raises, told upstream at micro-batch 0 (Note [a first send that cannot be
     made, told upstream]) or to every rank at the step's end (Note [a failure told at the step's end] in
-    _pipeline_step_status.py): the schedule computes it after the stage's forward, outside the stage's passes."""
+    step_status.py): the schedule computes it after the stage's forward, outside the stage's passes."""
     if schedule.__dict__.get("_fusedist_loss_guarded", False):
         return
     original = schedule._maybe_compute_loss
@@ -119,15 +119,15 @@ def guard_first_loss(schedule) -> None:
             return original(stage, output, target_mbs, mb_index, *args, **kwargs)
         except Exception as e:
             if mb_index != 0 or not getattr(stage, "_back_notice_to", False):
-                from ._pipeline_step_status import told_at_step_end
+                from .step_status import told_at_step_end
 
                 told = told_at_step_end(stage, mb_index, e, "'s loss", False)
-                if told is None:  # Note [a failure told at the step's end] (_pipeline_step_status.py)
+                if told is None:  # Note [a failure told at the step's end] (step_status.py)
                     raise
                 raise told from e
-            from ._pipeline_step_status import publish_first_step_failure, put_back_buffers
+            from .step_status import publish_first_step_failure, put_back_buffers
 
-            put_back_buffers(stage)  # Note [the buffers a failed step puts back] (_pipeline_step_failures.py)
+            put_back_buffers(stage)  # Note [the buffers a failed step puts back] (step_failures.py)
             message = failure_message(stage, 0, e, "'s loss")
             publish_first_step_failure(stage, message)  # Note [a first-step failure told to the data-parallel peers]
             tell_upstream(stage, 0, message, told=False)

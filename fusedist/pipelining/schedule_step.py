@@ -4,7 +4,7 @@ told to every rank at the step's end.
 
 Note [the targets a step was given]
     The last stage refuses a step without ``target=`` of a schedule with a ``loss_fn`` (Note [a loss without
-    a target] in _pipeline_inference.py). It read the targets from the ``target_mbs`` local of the schedule's
+    a target] in inference.py). It read the targets from the ``target_mbs`` local of the schedule's
     frame running the step: had torch renamed that local, the check would have found no frame and turned
     itself off, silently. The schedule's ``_step_microbatches`` is now wrapped on the instance (at the first
     step the stage takes part in), and the wrapper records the ``target_mbs`` argument it is called with
@@ -12,7 +12,7 @@ Note [the targets a step was given]
     there, naming it, where the schedule has a ``loss_fn`` (the check cannot turn off unseen).
 
 Note [a failure told at the step's end, several stages per rank]
-    Note [a failure told at the step's end] (_pipeline_step_status.py) armed the schedules with one stage
+    Note [a failure told at the step's end] (step_status.py) armed the schedules with one stage
     per rank only: with several (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``,
     ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``: torch runs them from
     a list of actions per rank, sends and receives included) a failure in a stage's forward, backward or
@@ -39,10 +39,10 @@ import inspect
 
 import torch.distributed as dist
 
-from ._pipeline_small_batch import fill_targets, restore_count
-from ._pipeline_step_status import (
+from .small_batch import restore_count, split_targets
+from .step_status import (
     exchange, put_back, several_armed, wait_bounded, zero_activations, zero_gradients)
-from ._pipeline_step_verdict import StepVerdicts, raise_told
+from .step_verdict import StepVerdicts, raise_told
 
 
 def wrap_step(schedule) -> None:
@@ -52,7 +52,7 @@ def wrap_step(schedule) -> None:
         return
     original = schedule._step_microbatches
     signature = inspect.signature(original)
-    named = "target_mbs" in signature.parameters
+    named = schedule._fusedist_targets_named = "target_mbs" in signature.parameters
     if not named and getattr(schedule, "_loss_fn", None) is not None:
         raise RuntimeError(
             f"fusedist.pipelining.PipelineStage: {type(schedule).__name__}._step_microbatches takes "
@@ -64,7 +64,7 @@ def wrap_step(schedule) -> None:
         if named:  # (a target too short to split: Note [a batch smaller than n_microbatches])
             bound = signature.bind(*args, **kwargs)
             if "target_mbs" in bound.arguments:
-                bound.arguments["target_mbs"] = fill_targets(schedule, bound.arguments["target_mbs"])
+                bound.arguments["target_mbs"] = split_targets(schedule, bound.arguments["target_mbs"])
             args, kwargs = bound.args, bound.kwargs
             schedule._fusedist_targets = (bound.arguments.get("target_mbs"),)
         else:
@@ -110,7 +110,7 @@ def _run(schedule, original, args, kwargs):
             put_back(stage)
         wait_bounded(stages[0], works)
         raise RuntimeError(told or message) from (e.__cause__ or e)
-    # Note [the step check's verdict read at the step's end] (_pipeline_step_verdict.py): every stage's, in order
+    # Note [the step check's verdict read at the step's end] (step_verdict.py): every stage's, in order
     verdicts = StepVerdicts(stages)
     told = exchange(stages[0], verdicts.message(), verdicts=verdicts)
     if told is not None:

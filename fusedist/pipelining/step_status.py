@@ -3,7 +3,7 @@ instead of leaving the other ranks waiting until the process group's timeout.
 
 Note [a failure told at the step's end]
     The notices ahead of micro-batch 0's activations and gradient (Note [a first send that cannot be made] in
-    _pipeline_inference.py, Note [a first send that cannot be made, told upstream] in _pipeline_notice_back.py)
+    inference.py, Note [a first send that cannot be made, told upstream] in notice_back.py)
     cover a failure at micro-batch 0 of the first training step after a set-up. A failure anywhere else -- a
     stage's forward, the last stage's ``loss_fn`` or a stage's backward at a later micro-batch or in a later
     step, or any failure in an ``eval()`` step -- left the other ranks blocked in a receive (or their sends
@@ -23,12 +23,12 @@ Note [a failure told at the step's end]
       rank raises the same ``RuntimeError`` naming the stage, its rank, the micro-batch (and whether its
       loss or backward) and the exception; the failing rank's chains its own exception. A stage's
       data-parallel peers that diverged in the step are told the same way: the step check's verdict rides
-      on the exchange (Note [the step check's verdict read at the step's end] in _pipeline_step_verdict.py).
+      on the exchange (Note [the step check's verdict read at the step's end] in step_verdict.py).
     No rank's step ends: each counts as one that raised (Note [a step that raised] in
-    _pipeline_step_failures.py), so no optimizer step follows on any rank, and each rank's next step is
+    step_failures.py), so no optimizer step follows on any rank, and each rank's next step is
     refused. Every stage module's buffers are put back as the step found them on every rank (a BatchNorm's
     running statistics and batch count: the forwards before the failure and those on the zeros moved them;
-    Note [the buffers a failed step puts back] in _pipeline_step_failures.py). A stage module no one reduces
+    Note [the buffers a failed step puts back] in step_failures.py). A stage module no one reduces
     gets its gradients back as the step found them (the zeros were backpropagated too); a ``fully_shard`` or
     DDP stage keeps the sums it reduced, as after any step that raised. Every message of the failed step is
     matched, so the process group stays usable.
@@ -40,10 +40,10 @@ Note [a failure told at the step's end]
     every rank holds a stage, driven by the schedule's ``step``/``eval`` (not by hand). With several stages
     per rank (interleaved, looped, V, zero-bubble schedules) the rank's schedule step completes the messages
     and exchanges, once per rank (Note [a failure told at the step's end, several stages per rank] in
-    _pipeline_schedule_step.py). A failure in the step's own communication, or outside the stage's forward,
+    schedule_step.py). A failure in the step's own communication, or outside the stage's forward,
     loss and backward (the schedule's own code), is not covered; a shape inference that fails in a set-up,
     ``eval`` included, is told by the set-up itself (Note [a shape inference that fails on one rank] in
-    _pipeline_inference.py).
+    inference.py).
 
 Note [the failure told, of several]
     A failing stage sends zeros in place of its messages, and a stage receiving them may fail on them too
@@ -76,8 +76,8 @@ Note [a pipeline's failure told to its data-parallel peers]
 Note [a first-step failure told to the data-parallel peers]
     A failure at micro-batch 0 of the first training step after a set-up is told along the pipeline by notices
     -- the shape inference's, where the step infers the stages' shapes (Note [a shape inference that fails on
-    one rank] in _pipeline_inference.py), else the first sends' (Note [a first send that cannot be made] there,
-    Note [a first send that cannot be made, told upstream] in _pipeline_notice_back.py) -- and each rank of the
+    one rank] in inference.py), else the first sends' (Note [a first send that cannot be made] there,
+    Note [a first send that cannot be made, told upstream] in notice_back.py) -- and each rank of the
     pipeline raises at once, with no exchange to wait in. Their data-parallel peers waited in reductions those
     ranks never issue until the failing process ended (its crash entry), or, where the user caught the error and
     kept the process alive, until the group's timeout. So each rank raising there (the failing one and those
@@ -89,13 +89,13 @@ Note [a first-step failure told to the data-parallel peers]
     again, and a peer still waiting for it pairs with it: Note [a failure entry withdrawn at the next launch]
     in fusedist/reliability/failed_elsewhere.py), or a failure of the group's own collectives or the process's
     end writes its entry in its place. After the first sends' notices every later step of the pipeline is
-    refused (Note [a step that raised] in _pipeline_step_failures.py); a failed shape inference counts as ended
+    refused (Note [a step that raised] in step_failures.py); a failed shape inference counts as ended
     and the next step may run: its reductions withdraw the entries, so a later wait of the peers blocked past
     the probe's delay (a rank saving a checkpoint, a slow data loader) is no longer told of the old failure.
     Not withdrawn at the next step's beginning: a peer that passes the delay before that step's first
     reduction would then go on waiting, unwarned, for a reduction of another step. That step's beginning
     waits instead until the peers were told, so that its reductions cannot pair with theirs of the failed
-    step (Note [the next step waits until the peers were told] in _pipeline_told_peers.py).
+    step (Note [the next step waits until the peers were told] in told_peers.py).
 
 Note [a one-rank pipeline's failure told to its data-parallel peers]
     A pipeline of one rank (``pp=1``: every stage on one rank, the rank's data-parallel peers running pipelines
@@ -115,12 +115,12 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from ._pipeline_inference import (
+from .inference import (
     _FAILED, NOTICE_BYTES, NOTICE_WAIT_S, _notice, failure_message, notice_failure, notice_send_ops)
-from ._pipeline_notice_back import back_send_ops
-from ._pipeline_step_failures import last_schedule, put_back_gradients
-from ._pipeline_told_peers import count_failed_step, count_published, with_the_failure_told_before
-from .reliability import failed_elsewhere
+from .notice_back import back_send_ops
+from .step_failures import last_schedule, put_back_gradients
+from .told_peers import count_failed_step, count_published, with_the_failure_told_before
+from ..reliability import failed_elsewhere
 
 
 def status_armed(stage) -> bool:
@@ -134,7 +134,7 @@ def single_armed(stage) -> bool:
     ``perform_reduce_grad``."""
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
 
-    from .reliability.config import checks_enabled
+    from ..reliability.config import checks_enabled
 
     if not checks_enabled():  # (FUSEDIST_CHECKS=0, set alike on every rank: no per-step exchange)
         return False
@@ -148,10 +148,10 @@ def single_armed(stage) -> bool:
 def several_armed(stage) -> bool:
     """Armed, several stages per rank (a schedule run from its list of actions, interleaved, looped, V or
     zero-bubble): the rank's schedule step completes its messages and exchanges once (Note [a failure told at
-    the step's end, several stages per rank] in _pipeline_schedule_step.py)."""
+    the step's end, several stages per rank] in schedule_step.py)."""
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-    from .reliability.config import checks_enabled
+    from ..reliability.config import checks_enabled
 
     if not checks_enabled():
         return False
@@ -241,7 +241,7 @@ def wait_bounded(stage, works: list) -> None:
 
 def step_end_failure(stage, verdicts=None):
     """At the step's end: the failure a rank told of (``verdicts``: this rank's pending step-check verdicts,
-    Note [the step check's verdict read at the step's end] in _pipeline_step_verdict.py), or None (and None
+    Note [the step check's verdict read at the step's end] in step_verdict.py), or None (and None
     where not armed, or where the rank's schedule step exchanges: several stages per rank)."""
     if getattr(stage, "_status_told", False) or not single_armed(stage):
         return None
@@ -253,7 +253,7 @@ def step_end_failure(stage, verdicts=None):
 
 def put_back(stage) -> None:
     """The stage module's buffers as the failed step found them, every kind of stage module (Note [the
-    buffers a failed step puts back] in _pipeline_step_failures.py); a stage module no one reduces gets its
+    buffers a failed step puts back] in step_failures.py); a stage module no one reduces gets its
     gradients back too (one fusedist or torch reduces keeps its sums, as does a step accumulating under the
     user's own switch: Note [a step that raised] there)."""
     step = getattr(stage, "_step", None)
@@ -293,7 +293,7 @@ def exchange(stage, message, on_zeros: bool = False, verdicts=None):
     integer, the MAX over the ranks: 0 where none failed, else the rank's priority (Note [the failure
     told, of several]). ``verdicts``: the rank's pending step-check verdicts, whose flag counts as a
     failure on real inputs and which are read only after a failure (Note [the step check's verdict read
-    at the step's end] in _pipeline_step_verdict.py)."""
+    at the step's end] in step_verdict.py)."""
     size, me = stage.group_size, stage.group_rank
     priority = 0 if message is None else (size - me) + (0 if on_zeros else size)
     flag = torch.tensor([priority], dtype=torch.int64, device=stage.device)

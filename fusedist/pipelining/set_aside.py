@@ -20,7 +20,7 @@ Note [accumulating over synchronized pipeline steps]
     for the device there, every step); a step that raised before any backward reads nothing. A
     tensor no longer the gradient at the division (the user set the gradients to None meanwhile)
     gets nothing back; a step that raised before its division drops its copy, or puts the gradients back
-    from it (Note [a step that raised] in _pipeline_step_failures.py). (A DDP stage's accumulating step
+    from it (Note [a step that raised] in step_failures.py). (A DDP stage's accumulating step
     after a synchronized one adds its undivided sum to the divided ``p.grad``: the copy taken
     before the accumulating step is what keeps the two apart.)
 
@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import torch
 
-from .fsdp.grad_view import ShardGrad
+from ..fsdp.grad_view import ShardGrad
 
 
 def _divided(module) -> list:
     """The gradients a step's division reaches: ``p.grad`` of the module's parameters, and the
-    shards of ZeRO-2 optimizers over them (Note [gradients held outside p.grad] in pipelining.py)."""
+    shards of ZeRO-2 optimizers over them (Note [gradients held outside p.grad] in __init__.py)."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     return grads + [g for holder in _holders_outside_grad(module) for g in holder._fusedist_unscale_targets()]
 
@@ -115,7 +115,7 @@ def _give_back(module, held: list, factor: int) -> None:
 def _holders_outside_grad(module) -> list:
     """The distinct gradient holders of ``module``'s parameters that keep the gradients where
     ``p.grad`` is not (ZeRO stage 2's shards; a ``fully_shard`` shard is ``p.grad`` itself)."""
-    from .ownership import any_gradient_holder, gradient_holder
+    from ..ownership import any_gradient_holder, gradient_holder
 
     found = {}
     for p in module.parameters() if any_gradient_holder() else ():

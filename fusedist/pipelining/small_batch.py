@@ -9,21 +9,32 @@ Note [a batch smaller than n_microbatches]
     process group's timeout. The schedule's split of the inputs is now wrapped on the instance (at the first
     step the stage takes part in): a tensor with fewer rows than ``n_microbatches``, or a split that raised, is
     recorded instead, and the step goes on with empty micro-batches. The target is split by the schedule's
-    ``step`` itself, right after the inputs: a target the ``step`` call was given (its public ``target``
-    argument) with too few rows is recorded too, and split into one micro-batch for the schedule's count's
-    duration, the count restored and the targets' list filled up to it where the step's micro-batches begin
-    (Note [the targets a step was given] in _pipeline_schedule_step.py wraps them). The stage that would take
+    ``step`` itself, right after the inputs, with the schedule's ``n_microbatches``: the wrapped split lends
+    the schedule a count of one for it, so torch's split hands the whole target on, and the wrapper of
+    ``_step_microbatches`` (Note [the targets a step was given] in schedule_step.py), the count put back,
+    splits it with torch's own splitter, or -- a target with too few rows -- records it and gives every
+    micro-batch the whole target. The stage that would take
     the batch -- the first stage its inputs, the last its target -- then refuses it where its forward of
     micro-batch 0 (or its shape inference) begins, naming the rows, ``n_microbatches``, the stage and its rank:
     a failure there is told to every rank of the pipeline as any other (Note [a first send that cannot be
-    made] in _pipeline_inference.py, Note [a failure told at the step's end] in _pipeline_step_status.py), so
-    every rank raises it at once. A target of no rows, and a ``step`` override without a ``target`` argument,
-    are left to torch's split.
+    made] in inference.py, Note [a failure told at the step's end] in step_status.py), so
+    every rank raises it at once. (The target was read from the frame of the schedule's ``step`` before; the
+    count lent needs no frame.) A schedule whose ``step`` is not torch's own, or whose
+    ``_step_microbatches`` takes no ``target_mbs``, keeps torch's split.
+
+Note [a target of no rows]
+    torch's split asserts at least one row per micro-batch, so a target of no rows (a batch of 0) raised
+    ``AssertionError: Tensor size 0 is smaller than num_chunks`` on the last stage's rank, before any message,
+    and the other ranks waited for the process group's timeout -- with torch's own stage too -- and no count
+    lent to the split avoids that assertion. The schedule's ``step`` is wrapped on the instance where its
+    split is (so from the second step the stage takes part in on): a target of no rows is recorded and a
+    one-row stand-in of its dtype goes to torch's split in its place; the last stage refuses the step at
+    micro-batch 0 as above, naming its rank, and every rank raises it at once. At the first step the wrapper
+    is not yet in place (torch offers no hook when a schedule is built, and the ``step`` running then
+    was looked up before the stage took part): there torch's assertion stands.
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -50,34 +61,50 @@ def wrap_split(schedule) -> None:
         if short is not None:
             schedule._fusedist_short = ("inputs", short)
             split = [()] * count, [{}] * count
-        _note_short_target(schedule, sys._getframe(1), count)
+        if count and schedule.__dict__.get("_fusedist_targets_named") and _torch_step(schedule):
+            schedule._fusedist_count, schedule._n_microbatches = count, 1  # (torch's split of the target next)
         return split
 
     schedule._split_inputs = splitting
     schedule._fusedist_split_wrapped = True
+    if schedule.__dict__.get("_fusedist_targets_named") and _torch_step(schedule):
+        _wrap_step_call(schedule)
 
 
 def restore_count(schedule):
-    """The schedule's own ``n_microbatches``, put back where a short target lent it another for its split."""
+    """The schedule's own ``n_microbatches``, put back where its split of the target was lent a count of one."""
     count = schedule.__dict__.pop("_fusedist_count", None)
     if count is not None:
         schedule._n_microbatches = count
     return getattr(schedule, "_n_microbatches", None)
 
 
-def fill_targets(schedule, target_mbs):
-    """The targets' list at the step's micro-batches: the count restored, a short target's one micro-batch
-    repeated up to it (the last stage refuses the step at micro-batch 0 before reading any)."""
+def split_targets(schedule, target_mbs):
+    """The targets' list at the step's micro-batches, the count put back: the whole target torch's split handed
+    on (a count of one lent) split into ``n_microbatches`` by torch's splitter; a target with fewer rows (or a
+    stand-in for one of none) recorded and repeated up to the count (the last stage refuses the step at
+    micro-batch 0 before reading any)."""
+    lent = "_fusedist_count" in schedule.__dict__
     count = restore_count(schedule)
-    if count and isinstance(target_mbs, list) and 0 < len(target_mbs) < count and _short_kind(schedule):
-        return target_mbs + [target_mbs[-1]] * (count - len(target_mbs))
-    return target_mbs
+    empty = schedule.__dict__.pop("_fusedist_empty_target", None)
+    if not lent or not count or not isinstance(target_mbs, list) or len(target_mbs) != 1:
+        return target_mbs
+    target = target_mbs[0]
+    if empty is None and isinstance(target, torch.Tensor) and target.dim() > 0 and target.size(0) < count:
+        empty = _rows_message("target", target, count)
+    if empty is None:
+        from torch.distributed.pipelining.microbatch import TensorChunkSpec, _split_tensor
+
+        return list(_split_tensor(target, TensorChunkSpec(0), count))  # (torch's step: the target along dim 0)
+    if schedule.__dict__.get("_fusedist_short") is None:
+        schedule._fusedist_short = ("target", empty)
+    return [target] * count
 
 
 def refuse_short_batch(stage, kind: str, named: bool = True) -> None:
     """Raise, on the stage that takes it, the step's batch recorded as too short: ``kind`` "inputs" on the
     first stage, "target" on the last; ``named`` False where the message raised around it names the stage."""
-    from ._pipeline_step_failures import last_schedule
+    from .step_failures import last_schedule
 
     short = getattr(last_schedule(stage), "__dict__", {}).get("_fusedist_short")
     if short is None or short[0] != kind or not (stage.is_first if kind == "inputs" else stage.is_last):
@@ -116,15 +143,27 @@ def _short_inputs(schedule, args, kwargs, count: int):
     return None
 
 
-def _note_short_target(schedule, frame, count: int) -> None:
-    """Record the ``target`` of the schedule's ``step`` call (``frame``) if it has fewer rows than ``count``
-    (but some), and lend the schedule a count of one for torch's split of it."""
-    if frame is None or frame.f_locals.get("self") is not schedule or "target" not in frame.f_code.co_varnames:
-        return
-    target = frame.f_locals.get("target")
-    if not isinstance(target, torch.Tensor) or target.dim() == 0 or not 0 < target.size(0) < count:
-        return
-    if schedule._fusedist_short is None:
-        schedule._fusedist_short = ("target", _rows_message("target", target, count))
-    schedule._fusedist_count = count
-    schedule._n_microbatches = 1
+def _torch_step(schedule) -> bool:
+    """Whether the schedule's ``step`` is torch's own, which splits ``target`` with ``n_microbatches`` right after
+    the inputs (an override may split it otherwise, or read the count for more)."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    return type(schedule).step in (PipelineScheduleSingle.step, PipelineScheduleMulti.step)
+
+
+def _wrap_step_call(schedule) -> None:
+    """Wrap the schedule's ``step`` (``eval`` calls it) once: a target of no rows recorded, a one-row stand-in
+    given to torch's split (Note [a target of no rows])."""
+    original = schedule.step
+
+    def step(*args, target=None, **kwargs):
+        count = restore_count(schedule)
+        if isinstance(target, torch.Tensor) and target.dim() > 0 and target.size(0) == 0 and count:
+            schedule._fusedist_empty_target = _rows_message("target", target, count)
+            target = target.new_zeros((1, *target.shape[1:]))
+        try:
+            return original(*args, target=target, **kwargs)
+        finally:
+            schedule.__dict__.pop("_fusedist_empty_target", None)
+
+    schedule.step = step

@@ -29,7 +29,7 @@ Note [micro-batches of another shape]
     group's timeout. In a first step the buffers are sized from micro-batch 0, the largest of an
     uneven split: the first smaller micro-batch is refused, the ones before it already sent.
     Either way the step raised before its end with the other ranks in it: the next step on the
-    refusing rank is refused too (Note [a step that raised] in _pipeline_step_failures.py).
+    refusing rank is refused too (Note [a step that raised] in step_failures.py).
 
 Note [uneven micro-batches on one rank]
     A pipeline whose stages are all on one rank passes tensors as they are, so a later batch of
@@ -42,7 +42,7 @@ Note [uneven micro-batches on one rank]
     refuses, in a step with backward, a micro-batch whose inputs differ in shape from the
     step's micro-batch 0 (a forward-only step computes no gradient and is left alone). It can
     only see one micro-batch at a time, so the micro-batches before it have run: the next step
-    drops what they left (Note [a step that raised] in _pipeline_step_failures.py). A schedule
+    drops what they left (Note [a step that raised] in step_failures.py). A schedule
     built with ``scale_grads=False`` divides nothing: with a loss that sums (what torch's schedules
     document for it) the micro-batches' gradients add up to the batch's, evenly split or not, so
     its steps are not refused (they were, though torch's stage gives the batch's gradient there).
@@ -58,7 +58,7 @@ Note [a shape inference that fails on one rank]
     same message, naming the stage where it began, and passes it on the same way: every rank
     of the pipeline fails at once, and no message is left unmatched (the process group stays
     usable, and the next step -- on a batch the module takes, say -- runs the inference again:
-    Note [a step that raised] in _pipeline_step_failures.py does not count it as a step that raised). Who
+    Note [a step that raised] in step_failures.py does not count it as a step that raised). Who
     waits is known from the stages' placement: the ranks process their stages in ascending
     order (backward inference in descending order), so after stage ``k`` fails a rank holding a
     stage at or after ``k`` waits at its first such stage for the stage before it, and any other
@@ -89,22 +89,22 @@ Note [a first send that cannot be made]
     ending right after the error would drop them unsent); the receiving rank raises the same
     message, naming the stage and what it returned against what was expected, and passes it on
     the same way to the next rank boundary. The step counts as one that raised (Note [a step that
-    raised] in _pipeline_step_failures.py): other messages of the step may be left unmatched, so every later
+    raised] in step_failures.py): other messages of the step may be left unmatched, so every later
     step is refused and the fix is a restart. Later micro-batches and steps are checked on the
     sender only (as after a shape inference): a module whose output changes kind after its first
     micro-batch still leaves the receiver waiting for the timeout. A rank holding only stages
     before the failing one (rank 0 when stage 1 of a three-rank pipeline fails) waits for
     gradients: it is told in place of micro-batch 0's gradient (Note [a first send that cannot be
-    made, told upstream] in _pipeline_notice_back.py).
+    made, told upstream] in notice_back.py).
 
 Note [a loss without a target]
     A schedule built with a ``loss_fn`` calls it on the last stage's output of each micro-batch and
     that micro-batch's target, in ``eval`` steps too (the losses are returned through ``losses=``).
     ``eval(x)`` on the last stage's rank without ``target=`` raised torch's ``TypeError: 'NoneType' object
     is not subscriptable`` from the schedule's own code (told to every rank: Note [a failure told at the
-    step's end] in _pipeline_step_status.py), which names neither the cause nor the fix. The last stage
+    step's end] in step_status.py), which names neither the cause nor the fix. The last stage
     checks that a schedule with a ``loss_fn`` got a target (recorded from the schedule's step: Note
-    [the targets a step was given] in _pipeline_schedule_step.py) in its shape inference and at its
+    [the targets a step was given] in schedule_step.py) in its shape inference and at its
     forward of micro-batch 0, and raises there, naming both; every rank learns of it at once (Note [a shape
     inference that fails on one rank], or at the step's end).
 
@@ -213,11 +213,11 @@ def check_target_given(stage) -> None:
     """Refuse a step without ``target=`` of a schedule with a ``loss_fn`` (Note [a loss without a target]),
     from the last stage's shape inference or its forward of micro-batch 0, where the failure reaches
     every rank."""
-    from ._pipeline_schedule_step import targets_given
-    from ._pipeline_step_failures import last_schedule
+    from .schedule_step import targets_given
+    from .step_failures import last_schedule
 
     schedule = last_schedule(stage)
-    targets = targets_given(schedule)  # Note [the targets a step was given] (_pipeline_schedule_step.py)
+    targets = targets_given(schedule)  # Note [the targets a step was given] (schedule_step.py)
     if targets is None or targets[0] is not None or getattr(schedule, "_loss_fn", None) is None:
         return  # (None: not in a schedule's step -- the stage driven by hand)
     call = "step" if getattr(schedule, "_has_backward", False) else "eval"
@@ -428,15 +428,15 @@ def failing_inference(stage, run, backward: bool, has_backward: bool, told=None)
 
 def _publish(stage, message: str) -> None:
     """The failure published to the rank's data-parallel peers before it is raised (Note [a first-step failure
-    told to the data-parallel peers] in _pipeline_step_status.py)."""
-    from ._pipeline_step_status import publish_first_step_failure
+    told to the data-parallel peers] in step_status.py)."""
+    from .step_status import publish_first_step_failure
 
     publish_first_step_failure(stage, message)
 
 
 def _told_elsewhere(error: Exception):
     """The failure a data-parallel peer published, where ``error`` is a wait it ended; else None."""
-    from .reliability import failed_elsewhere
+    from ..reliability import failed_elsewhere
 
     return failed_elsewhere.failure_told(error)
 

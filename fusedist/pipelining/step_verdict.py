@@ -7,7 +7,7 @@ Note [the step check's verdict read at the step's end]
     data-parallel peers in a step (a rank ran an extra forward of the stage module, or put a module in eval
     mode alone) was named only after every rank had applied that step's optimizer step on gradients reduced
     across ranks at different points. So the step's end reads it, through the step's status exchange (Note [a
-    failure told at the step's end] in _pipeline_step_status.py), on every rank of every pipeline:
+    failure told at the step's end] in step_status.py), on every rank of every pipeline:
     - before the exchange, each rank turns each of its stages' pending verdicts into a flag -- nonzero where
       the check's reduced ``max(v)`` and ``min(v)`` differ -- without the host waiting for the device: where
       the last gradient bucket carried the check (a DDP stage on the host, Note [the check carried by the last
@@ -38,7 +38,7 @@ Note [a retried step paired with a late peer's]
     A rank whose step failed may take the next at once (a failed shape inference counts as ended; a one-rank
     pipeline drops what its failed step left), while a data-parallel peer is still in the failed step's first
     attempt: with the divergence probe on, the retry waits until the peers were told (Note [the next step
-    waits until the peers were told] in _pipeline_told_peers.py); with it off (``FUSEDIST_DIVERGENCE_PROBE_S=0``)
+    waits until the peers were told] in told_peers.py); with it off (``FUSEDIST_DIVERGENCE_PROBE_S=0``)
     nobody is told, and the retry's reductions paired with the late peer's of the step before: both steps
     returned, every rank applied an optimizer step on gradients averaged across steps, and only the next
     forward's step check named it, by a counter. The step check is now read at the step's end (above), so
@@ -55,14 +55,14 @@ from typing import Optional
 
 import torch
 
-from ._consistency import RankMismatchError
+from .._consistency import RankMismatchError
 
 
 def step_check_of(module):
     """The per-step check of a stage module of fusedist's data parallelism: a ``fully_shard`` root's, a DDP
     (or ``fusedist.replicate``) module's; None for any other, or where checks are off."""
-    from ._pipeline_sync_switch import ddp_engine_of
-    from .fsdp import FullyShardedModule
+    from .sync_switch import ddp_engine_of
+    from ..fsdp import FullyShardedModule
 
     if isinstance(module, FullyShardedModule):
         ctx = getattr(module._fs_state(), "ctx", None)
@@ -145,7 +145,7 @@ def settle_naming_steps(stage, check) -> None:
 def _steps_of_the_ranks(stage, comm) -> str:
     """Which pipeline step each data-parallel rank of the stage was in (an all-gather over the check's group:
     every rank there found the same divergence at the same point, so it pairs up); the failure path only."""
-    from .comm.group_ranks import global_ranks
+    from ..comm.group_ranks import global_ranks
 
     mine = torch.tensor([getattr(stage, "_steps_begun", 0)], dtype=torch.int64, device=comm.device)
     everyone = torch.empty(comm.world_size, dtype=torch.int64, device=comm.device)

@@ -9,10 +9,10 @@ catches a rank's exception itself."""
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from script_runs import EXIT_MARKERS, run_at_once, run_ended_at_once
@@ -79,9 +79,10 @@ _ENV = {"FUSEDIST_TIMEOUT_S": "60", "FUSEDIST_DIVERGENCE_PROBE_S": "0.3", "FUSED
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict:
+def runs(stand_in_runs) -> dict:
     """Every scenario's two ranks, all started at once: (scenario, rank) -> (exit status, output,
-    ``time.time()`` at its end, what it wrote to its log file or None)."""
+    ``time.time()`` at its end, what it wrote to its log file or None). (The stand-in programs,
+    ``stand_in_runs``, start first and run beside them: their start-ups overlap.)"""
     with tempfile.TemporaryDirectory(prefix="fusedist-given-up-") as folder:
         inits = {scenario: os.path.join(folder, f"{scenario}.rdzv") for scenario in ("skip", "caught", "clean")}
         ran = run_ended_at_once({(scenario, rank): (_RANK, (str(rank), init, scenario), _ENV)
@@ -173,19 +174,25 @@ else:
 '''
 
 
-@functools.lru_cache(maxsize=None)
-def _stand_in_runs() -> dict:
+def _run_stand_ins() -> dict:
     runs = run_at_once({case: (_STAND_IN, case) for case in ("by-hand", "interrupt")}, merge_stderr=True)
     return {case: (run.stdout, run.returncode) for case, run in runs.items()}
 
 
-def test_an_error_logged_through_the_excepthook_is_not_an_exit_and_an_interrupt_ends_by_sigint():
-    text, status = _stand_in_runs()["by-hand"]
+@pytest.fixture(scope="module")
+def stand_in_runs():
+    """Future of {case: (output, exit status)} of the stand-in programs, started on a thread of its own."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_run_stand_ins)
+
+
+def test_an_error_logged_through_the_excepthook_is_not_an_exit_and_an_interrupt_ends_by_sigint(stand_in_runs):
+    text, status = stand_in_runs.result()["by-hand"]
     assert status == 0, (status, text)
     assert "logged, not fatal" in text and "WENT ON" in text, text
     assert "LAST EXIT HANDLER RAN" in text and "INTERPRETER SHUTDOWN RAN" in text, text
     # Python ends a process interrupted by an uncaught KeyboardInterrupt by SIGINT; so does the
     # early end, after every exit handler
-    text, status = _stand_in_runs()["interrupt"]
+    text, status = stand_in_runs.result()["interrupt"]
     assert status == -signal.SIGINT, (status, text)
     assert "KeyboardInterrupt" in text and "LAST EXIT HANDLER RAN" in text, text

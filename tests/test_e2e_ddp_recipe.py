@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -531,27 +532,53 @@ def uninterrupted(shared_launch):
     return {name: ([results[i] for results in per_rank], *runs[name][:2]) for i, name in enumerate(runs)}
 
 
-def test_resume_in_fresh_processes_continues_the_uninterrupted_run(uninterrupted):
+#: {test: the resumed launches it reads}; ``resumed_launches`` starts the selected tests' at once
+_RESUMED_LAUNCHES = {
+    "test_resume_in_fresh_processes_continues_the_uninterrupted_run": ("same world size",),
+    "test_resume_at_another_world_size_reshards_zero_and_the_sampler": ("world size 1", "world size 3"),
+}
+
+
+@pytest.fixture(scope="module")
+def resumed_launches(request, uninterrupted):
+    """{launch: future of its per-rank results} of the selected tests' resumes, all started at once
+    on their own threads: the world-size-1 launch leaves a core idle and each launch waits on its
+    ranks' start and rendezvous, which then overlap instead of adding up. Each is fresh processes
+    of its own, started from the uninterrupted runs' checkpoints."""
+    wanted = {getattr(item, "originalname", item.name) for item in request.session.items
+              if item.module is request.module}
+    names = [name for test, launches in _RESUMED_LAUNCHES.items() if test in wanted for name in launches]
+    _, resume_ckpt, resume_save = uninterrupted["resume"]
+    elastic_ckpt = uninterrupted["elastic"][1]
+    calls = {"same world size": (_resumed_runs_worker, 2, (("checkpointer", resume_ckpt), ("load", resume_save)),
+                                 RESUME_CFG),
+             **{f"world size {world}": (_resumed_worker, world, "checkpointer", elastic_ckpt, ELASTIC_CFG)
+                for world in (1, 3)}}
+    with ThreadPoolExecutor(max(len(names), 1)) as pool:
+        # (300 s: the launches share the cores; only a hang comes near it)
+        yield {name: pool.submit(run_distributed, *calls[name], timeout=300) for name in names}
+
+
+def test_resume_in_fresh_processes_continues_the_uninterrupted_run(uninterrupted, resumed_launches):
     """Same world size, bit for bit (dropout masks from the restored generators included),
     through the periodic Checkpointer's asynchronous save and through checkpoint.save/load
     with a ResumableDistributedSampler."""
-    full, ckpt_dir, save_dir = uninterrupted["resume"]
+    full = uninterrupted["resume"][0]
     assert math.isinf(full[1]["loss"][2 * INF_STEP + 1])
-    hows = (("checkpointer", ckpt_dir), ("load", save_dir))
-    per_rank = run_distributed(_resumed_runs_worker, 2, hows, RESUME_CFG, timeout=300)
-    for i, (how, _) in enumerate(hows):
+    per_rank = resumed_launches["same world size"].result()
+    for i, how in enumerate(("checkpointer", "load")):
         for rank in range(2):
             _compare(per_rank[rank][i], _tail(full[rank]), 0.0, f"resumed with {how}, rank {rank}")
 
 
-def test_resume_at_another_world_size_reshards_zero_and_the_sampler(uninterrupted):
+def test_resume_at_another_world_size_reshards_zero_and_the_sampler(uninterrupted, resumed_launches):
     """World sizes 1 and 3 from a checkpoint of 2: ZeRO's state resharded and the
     ElasticDistributedSampler's position re-split (the same global batches); gradient sums over
     12 or 4 rows per rank instead of 6, so 1e-5. The generators belong to the old ranks and are
     left as the script seeded them (README), so they are not compared."""
-    full, ckpt_dir, _ = uninterrupted["elastic"]
+    full = uninterrupted["elastic"][0]
     for world in (1, 3):
-        elastic = run_distributed(_resumed_worker, world, "checkpointer", ckpt_dir, ELASTIC_CFG, timeout=180)
+        elastic = resumed_launches[f"world size {world}"].result()
         expected = _tail(full[0])
         expected.pop("rng")
         # Each rank's loss weighs its samples by world / 2, so the mean over the ranks (what

@@ -25,7 +25,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stall_under_init_timeout(rank, world_size):
+def _stall_under_init_timeout(rank, world_size, rank0_done):
+    """Rank 1 comes late to DDP's construction check; it skips it when rank 0 has already given
+    up (the file ``rank0_done`` exists: nothing would pair with it, and its own wait would only
+    lengthen the run). Had rank 0 waited for it, it finds no file and construction succeeds."""
     import torch.distributed as dist
 
     import fusedist
@@ -35,7 +38,10 @@ def _stall_under_init_timeout(rank, world_size):
     fusedist.init_distributed(timeout=2)
     seen = collective_timeout()
     if rank == 1:
-        time.sleep(5)  # late to the construction check: rank 0 must not wait for it
+        time.sleep(3.5)  # late to the construction check, after rank 0's 2 s + 0.5 s: it must not wait for it
+        if os.path.exists(rank0_done):
+            dist.destroy_process_group()
+            return seen, "skipped: rank 0 gave up first", 0.0
     t0 = time.monotonic()
     try:
         fusedist.DistributedDataParallel(torch.nn.Linear(4, 4))
@@ -43,16 +49,19 @@ def _stall_under_init_timeout(rank, world_size):
     except Exception as exc:  # noqa: BLE001
         outcome = type(exc).__name__
     elapsed = time.monotonic() - t0
+    if rank == 0:
+        open(rank0_done, "w").close()
     dist.destroy_process_group()
     return seen, outcome, elapsed
 
 
-def test_init_distributed_timeout_bounds_fusedist_collectives():
+def test_init_distributed_timeout_bounds_fusedist_collectives(tmp_path):
     """init_distributed(timeout=2) is every fusedist collective's timeout on that group, as
-    torch's init_process_group(timeout=2) is its collectives' (it was 600 s: a 5 s late rank
-    was waited for)."""
+    torch's init_process_group(timeout=2) is its collectives' (it was 600 s: a 3.5 s late rank
+    was waited for, and construction succeeded)."""
     env = {"MASTER_PORT": str(_free_port()), "FUSEDIST_STALL_REPORT_S": "0.5"}
-    out = run_distributed(_stall_under_init_timeout, 2, backend=None, env=env, expect_failure=True, timeout=90)
+    out = run_distributed(_stall_under_init_timeout, 2, str(tmp_path / "rank0_done"), backend=None, env=env,
+                          expect_failure=True, timeout=90)
     status, (seen, outcome, elapsed) = out[0]
     assert status == "ok" and seen == datetime.timedelta(seconds=2)
     assert outcome == "StallError" and elapsed < 4.5, (outcome, elapsed)
@@ -169,45 +178,54 @@ def test_stall_report_setting_is_refused_before_training(monkeypatch, value, har
     assert all("FUSEDIST_STALL_REPORT_S" in o and f"got {value!r}" in o for o in out), out
 
 
-#: {test: {scenario: (fn, args)}} that ``harness_group`` runs in one launch, in this order
-_HARNESS_GROUP = {
-    "test_stall_report_setting_is_refused_before_training": {
-        f"stall_report {value}": (_ddp_construction, (value,)) for value in ("3s", "inf")},
-    "test_init_distributed_timeout_applies_to_a_group_torch_made": {
-        "torch_init_timeout": (_timeout_after_torch_init, ())},
-}
+def _harness_group(trace_prefix: str) -> dict:
+    """{test: {scenario: (fn, args)}} that ``harness_group`` runs in one launch, in this order (the
+    traced scenario last: its trace, written at exit, holds only its own models' events)."""
+    return {
+        "test_stall_report_setting_is_refused_before_training": {
+            f"stall_report {value}": (_ddp_construction, (value,)) for value in ("3s", "inf")},
+        "test_init_distributed_timeout_applies_to_a_group_torch_made": {
+            "torch_init_timeout": (_timeout_after_torch_init, ())},
+        "test_timeline_keeps_every_models_events_and_refuses_a_missing_directory": {
+            "two models traced": (_two_models_traced, (trace_prefix,))},
+    }
 
 
 @pytest.fixture(scope="module")
-def harness_group(request):
+def harness_group(request, tmp_path_factory):
     """The scenarios of the selected tests that run on the harness's own process group, in one
-    launch of 2 ranks (tests/shared_rank_launch.py): starting ranks costs more than they do."""
-    return launch_for_selected(request, _HARNESS_GROUP, 2, timeout=90)
+    launch of 2 ranks (tests/shared_rank_launch.py): starting ranks costs more than they do.
+    Also holds the traced scenario's trace prefix, as ``"timeline prefix"``."""
+    prefix = str(tmp_path_factory.mktemp("timeline") / "trace")
+    return dict(launch_for_selected(request, _harness_group(prefix), 2, timeout=90), **{"timeline prefix": prefix})
 
 
 def _two_models_traced(rank, world_size, prefix):
+    """Ends with FUSEDIST_TIMELINE unset, as it found it: the trace is written at the launch's exit."""
     import fusedist
 
     os.environ["FUSEDIST_TIMELINE"] = prefix
-    first = fusedist.DistributedDataParallel(torch.nn.Linear(4, 4))
-    first(torch.randn(2, 4)).sum().backward()
-    second = fusedist.DistributedDataParallel(torch.nn.Linear(4, 8))
-    for _ in range(3):
-        second(torch.randn(2, 4)).sum().backward()
-    os.environ["FUSEDIST_TIMELINE"] = os.path.join(prefix, "missing", "trace")
     try:
-        fusedist.DistributedDataParallel(torch.nn.Linear(4, 4))
-        return "accepted"
-    except ValueError as exc:
-        return str(exc)
+        first = fusedist.DistributedDataParallel(torch.nn.Linear(4, 4))
+        first(torch.randn(2, 4)).sum().backward()
+        second = fusedist.DistributedDataParallel(torch.nn.Linear(4, 8))
+        for _ in range(3):
+            second(torch.randn(2, 4)).sum().backward()
+        os.environ["FUSEDIST_TIMELINE"] = os.path.join(prefix, "missing", "trace")
+        try:
+            fusedist.DistributedDataParallel(torch.nn.Linear(4, 4))
+            return "accepted"
+        except ValueError as exc:
+            return str(exc)
+    finally:
+        del os.environ["FUSEDIST_TIMELINE"]
 
 
-def test_timeline_keeps_every_models_events_and_refuses_a_missing_directory(tmp_path):
+def test_timeline_keeps_every_models_events_and_refuses_a_missing_directory(harness_group):
     """Each rank's trace (written at exit) holds the backwards of every DDP model: the second
     model's were lost (one exit flush per path, the first model's). A prefix in a missing
     directory is refused at construction, not at exit after the run."""
-    prefix = str(tmp_path / "trace")
-    out = run_distributed(_two_models_traced, 2, prefix, timeout=60)
+    prefix, out = harness_group["timeline prefix"], results_of(harness_group, "two models traced")
     assert all("FUSEDIST_TIMELINE=" in o and "does not exist" in o for o in out), out
     for rank in range(2):
         with open(f"{prefix}.rank{rank}.json") as f:

@@ -306,7 +306,13 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
     elsewhere, returns the existing setup; a ``timeout`` given then bounds fusedist's collectives
     on that group from then on (torch's own collectives keep the timeout the group was made with).
 
+    A new group is checked at once: every FUSEDIST_* setting a rank set is valid, and those deciding which
+    collectives a step runs are alike on every rank (Note [settings that must agree] in
+    reliability/settings_agreement.py).
+
     Raises:
+        fusedist.reliability.settings_agreement.SettingsError: (a ValueError) a setting is refused or
+            differs across ranks, on every rank alike; the group is destroyed again.
         RuntimeError: the launch environment is incomplete (names the missing variables) or
             malformed (names the variable: RANK outside WORLD_SIZE, LOCAL_RANK negative or outside
             LOCAL_WORLD_SIZE, MASTER_PORT not a port), or LOCAL_RANK names a GPU this machine does not have.
@@ -355,17 +361,37 @@ def init_distributed(backend: str | None = None, timeout=None) -> DistributedInf
     reported = _compute_backend(_backends_by_device(backend))  # "cpu:gloo,cuda:nccl" binds the GPU too
     if reported == "nccl":
         count = torch.cuda.device_count()
-        if local_rank >= count:
+        if count == 0:  # ("use --nproc_per_node <= 0" said nothing of the cause)
             raise RuntimeError(
-                f"fusedist.init_distributed: rank {rank} has LOCAL_RANK={local_rank} but this "
+                f"fusedist.init_distributed: backend {backend!r} needs a GPU, and rank {rank} sees none "
+                "(torch.cuda.device_count() is 0); use backend='gloo', the default without CUDA")
+        if local_rank >= count:
+            unset = "" if "LOCAL_RANK" in os.environ else f" (LOCAL_RANK is not set: RANK={rank} was taken for it)"
+            raise RuntimeError(
+                f"fusedist.init_distributed: rank {rank} has LOCAL_RANK={local_rank}{unset} but this "
                 f"node has {count} GPU(s); use --nproc_per_node <= {count}"
+                + ("; torchrun sets LOCAL_RANK on every node" if unset else "")
             )
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         kwargs["device_id"] = device
     dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+    _check_settings_or_destroy()
     _remember_timeout(timeout if explicit else None)
     return DistributedInfo(rank, world_size, local_rank, reported, device)
+
+
+def _check_settings_or_destroy() -> None:
+    """The FUSEDIST_* settings, valid and alike on every rank (Note [settings that must agree] in
+    reliability/settings_agreement.py); on a refusal the group just made is destroyed, so a retry after fixing
+    the environment creates a new one instead of returning the unchecked one."""
+    from .reliability.settings_agreement import check_settings_agree
+
+    try:
+        check_settings_agree()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
 
 
 def _remember_timeout(timeout: datetime.timedelta | None) -> None:

@@ -18,9 +18,10 @@ def checks_enabled() -> bool:
     to measure exactly that, and as an escape hatch; the construction-time consistency checks
     are not affected by it.
     """
-    value = os.environ.get("FUSEDIST_CHECKS", "1").strip().lower()
+    raw = os.environ.get("FUSEDIST_CHECKS", "1")
+    value = raw.strip().lower()
     if value not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"FUSEDIST_CHECKS must be 0 or 1, got {value!r}")
+        raise ValueError(f"FUSEDIST_CHECKS must be 0 or 1 (also false/true, off/on; unset: 1), got {raw!r}")
     return value in ("1", "true", "on")
 
 

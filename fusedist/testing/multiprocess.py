@@ -76,6 +76,7 @@ import traceback
 import weakref
 from typing import Any, Callable, Optional
 
+from .launch_arguments import check_launch_arguments
 from .shared_gpu import rank_environment, ranks_per_gpu_setting
 from .thread_states import describe_threads, thread_states
 
@@ -129,11 +130,11 @@ def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn,
         value = fn(rank, world_size, *args, **kwargs)
         # Plain pickle to bytes: torch's multiprocessing reducers would share tensors through
         # this process's file descriptors, which vanish when it exits.
-        results.put((rank, True, pickle.dumps(value)))
+        results.put((rank, True, _pickled_result(rank, fn, value)))
     except SystemExit as exc:  # Note [a rank that calls sys.exit]
         status = _exit_status(exc.code)
         if status == 0:
-            results.put((rank, True, pickle.dumps(None)))
+            results.put((rank, _EXITED, pickle.dumps(None)))
         else:
             results.put((rank, False, f"rank {rank} exited with code {status} (sys.exit({exc.code!r}))\n"
                                       + traceback.format_exc()))
@@ -152,6 +153,22 @@ def _child(rank, world_size, init_file, backend, pg_timeout_s, threads, env, fn,
         atexit._run_exitfuncs()
 
 
+def _pickled_result(rank: int, fn, value) -> bytes:
+    """``value`` pickled, or a RuntimeError naming the rank, the function and the result's type (the bare
+    pickling error named neither)."""
+    try:
+        return pickle.dumps(value)
+    except Exception as exc:
+        raise RuntimeError(f"rank {rank}: {getattr(fn, '__qualname__', fn)!s} returned a {type(value).__name__} "
+                           f"that cannot be pickled back to the caller ({exc}); return plain data (tensors, "
+                           "numbers, strings, lists, dicts)") from exc
+
+
+#: a rank's answer flag for a clean ``sys.exit`` (result None): its peers' failures name it (Note [a rank that calls
+#: sys.exit])
+_EXITED = "exited"
+
+
 def _exit_status(code) -> int:
     """The process exit status ``sys.exit(code)`` stands for, as the interpreter computes it.
 
@@ -161,7 +178,8 @@ def _exit_status(code) -> int:
         it decides as a launcher would from the status: 0 (``sys.exit()``, ``sys.exit(0)``) is
         a clean end whose result is None, as with ``torch.multiprocessing.spawn``; any other
         status (an int, or a message, which exits with 1) fails the run naming the rank and
-        the code.
+        the code. A peer that then fails in a collective the exited rank never joined read only
+        "Connection closed by peer"; its failure now says which rank had ended so, and where.
     """
     if code is None:
         return 0
@@ -315,7 +333,7 @@ def _grace_after_failure(pg_timeout: float, grace: float) -> float:
     return pg_timeout + grace
 
 
-def _wait_for_answers(procs, results, outcome: dict, timeout: float, grace: Optional[float]):
+def _wait_for_answers(procs, results, outcome: dict, timeout: float, grace: Optional[float], exited: set):
     """Fill ``outcome`` with each rank's answer until all answered, ``timeout`` passed, or the
     others ran ``grace`` seconds past a rank's failure (None: no such limit, as when ``fn`` makes
     its own group, whose timeout the harness does not know); return None, or ``(failed rank,
@@ -345,10 +363,10 @@ def _wait_for_answers(procs, results, outcome: dict, timeout: float, grace: Opti
         # (every rank without an answer, the ended ones too: one that ended since the last look
         # wakes the wait at once, rather than being missed until the deadline)
         wait([results._reader] + [p.sentinel for r, p in enumerate(procs) if r not in outcome], timeout=remaining)
-        _take_answers(results, outcome, 0.0)
+        _take_answers(results, outcome, 0.0, exited)
         for rank, p in enumerate(procs):
             if rank not in outcome and not p.is_alive():
-                _take_answers(results, outcome, 0.05)  # (a last look: its answer cannot still be on the way)
+                _take_answers(results, outcome, 0.05, exited)  # (a last look: its answer cannot still be on the way)
                 if rank not in outcome:
                     outcome[rank] = (False, f"rank {rank} {_describe_exit(p.exitcode)} without reporting")
         if failed is None:
@@ -358,14 +376,17 @@ def _wait_for_answers(procs, results, outcome: dict, timeout: float, grace: Opti
     return None
 
 
-def _take_answers(results, outcome: dict, wait_s: float) -> None:
-    """Every answer already in the queue (the first waited for up to ``wait_s`` seconds)."""
+def _take_answers(results, outcome: dict, wait_s: float, exited: set) -> None:
+    """Every answer already in the queue (the first waited for up to ``wait_s`` seconds); the ranks that
+    ended with a clean ``sys.exit`` are added to ``exited``."""
     while True:
         try:
             rank, ok, value = results.get(timeout=wait_s) if wait_s else results.get_nowait()
         except queue_mod.Empty:
             return
         outcome[rank] = _decoded(rank, ok, value)
+        if ok == _EXITED:
+            exited.add(rank)
         wait_s = 0.0
 
 
@@ -444,6 +465,7 @@ def run_distributed(
     A rank that ends with ``sys.exit(0)`` or ``sys.exit()`` returns None; any other status
     fails the run naming the rank and the code (Note [a rank that calls sys.exit]).
     """
+    check_launch_arguments(world_size, timeout, pg_timeout)
     per_gpu = ranks_per_gpu if ranks_per_gpu is not None else ranks_per_gpu_setting()
     grace = _grace_after_failure(pg_timeout, grace_after_failure)  # (checked before any rank starts)
     if backend is None:
@@ -455,6 +477,7 @@ def run_distributed(
     os.unlink(init_file)  # the file store creates it
     procs = []
     outcome: dict[int, tuple[bool, Any]] = {}
+    exited: set = set()  # ranks that ended with sys.exit(0) (Note [a rank that calls sys.exit])
     ended = None
     hung_threads: dict = {}  # pid of a hung rank -> what its threads were doing (Note [a hung rank's threads])
     try:
@@ -468,7 +491,7 @@ def run_distributed(
             )
             p.start()
             procs.append(p)
-        ended = _wait_for_answers(procs, results, outcome, timeout, grace)
+        ended = _wait_for_answers(procs, results, outcome, timeout, grace, exited)
     finally:
         killed = set()
         hung_alive = [p for rank, p in enumerate(procs) if rank not in outcome and p.is_alive()]
@@ -504,13 +527,17 @@ def run_distributed(
             sys.stderr.write(f"--- rank {r}: faulthandler ---\n{words[r]}\n")
             failures[r] += f"\nits faulthandler report:\n{words[r]}"
     for r in hung:
-        failures[r] = (f"rank {r} did not finish within {timeout:.0f} s (killed)" if ended is None else
+        failures[r] = (f"rank {r} did not finish within {timeout:g} s (killed)" if ended is None else
                        f"rank {r} was still running {ended[1]:.0f} s after rank {ended[0]} failed (killed: a failed "
                        f"rank ends the run, as torchrun ends a job; the group's timeout was {pg_timeout:.0f} s)")
         if words[r]:  # Note [a hung rank's stacks]
             failures[r] += f"\nwhere its threads were when it was killed:\n{words[r]}"
         if hung_threads.get(procs[r].pid):  # Note [a hung rank's threads] in thread_states.py
             failures[r] += f"\n{hung_threads[procs[r].pid]}"
+    for r in failures:
+        if exited - {r}:  # Note [a rank that calls sys.exit]
+            failures[r] += (f"\n(rank(s) {sorted(exited - {r})} had ended with sys.exit(0), result None: a collective "
+                            "they did not join fails on their peers, e.g. with 'Connection closed by peer')")
     if expect_failure:
         return [("error", failures[r]) if r in failures else ("ok", outcome[r][1])
                 for r in range(world_size)]

@@ -162,7 +162,7 @@ _PLAIN_EXIT = "import sys; s = sys.argv[1]; sys.exit(None if s == 'none' else in
 
 
 def test_the_status_of_an_early_end_is_the_one_python_gives_sys_exit():
-    from fusedist.comm.given_up_exit import _exit_status
+    from fusedist._exit_codes import status_of_exit as _exit_status
 
     cases = {"none": None, "0": 0, "7": 7, "-1": -1, "256": 256, "text": "text"}
     runs = run_at_once({key: (_PLAIN_EXIT, key) for key in cases})

@@ -11,9 +11,14 @@ only 0 (a success the lost checkpoint belies) becomes 1, and the printed error s
 The interpreter keeps the status of ``sys.exit(n)`` in a C variable, out of reach at exit. So while
 a save is in flight -- submitted to a writer and not yet waited for, the only time it can fail at
 exit -- ``sys.exit`` notes its argument on the main thread before raising as always (chained through
-fusedist/_process_hooks.py); once no save is in flight ``sys.exit`` is Python's own again. A program
-that raises ``SystemExit(n)`` itself is not seen: it ends with 1, as before. An uncaught exception
-ends the process with 1 (a ``KeyboardInterrupt``: by SIGINT), as Python would.
+fusedist/_process_hooks.py); once no save is in flight ``sys.exit`` is Python's own again, and where a hook
+chained after ours keeps ours in place (a communicator that gave up during the save chains its own), ours
+notes nothing until a save is in flight again: a status the program asked for and caught then is not the one
+a later lost save would end the process with. A ``sys.exit(n)`` the program catches while a save is in
+flight is taken for its status all the same (nothing tells, at exit, whether it was caught): its process,
+returning normally later, ends with ``n`` where 1 was due -- non-zero either way. A program that raises
+``SystemExit(n)`` itself is not seen: it ends with 1, as before. An uncaught exception ends the process
+with 1 (a ``KeyboardInterrupt``: by SIGINT), as Python would.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import threading
 from typing import Optional
 
 from .. import _process_hooks
+from .._exit_codes import end_by_sigint, status_of_exit
 
 _HOOK = "note the status of a program whose checkpoint is being written"
 
@@ -32,25 +38,32 @@ _HOOK = "note the status of a program whose checkpoint is being written"
 #: 1-tuple (None is a status too); None when there was none.
 _requested: Optional[tuple] = None
 
+#: Whether a save is in flight (between :func:`watch` and :func:`unwatch`): only then is a status noted.
+_in_flight = False
+
 #: What :func:`program_status` gives for a process ended by a ``KeyboardInterrupt``.
 BY_SIGINT = -signal.SIGINT
 
 
 def watch() -> None:
     """Note the status of ``sys.exit`` from now on: a save was submitted."""
+    global _in_flight
+    _in_flight = True
     _process_hooks.chain_sys_exit(_HOOK, _note)
 
 
 def unwatch() -> None:
     """``sys.exit`` is Python's own again: no save is in flight. (A hook chained after ours is left
-    in place, and ours under it, by the remover.)"""
+    in place, and ours under it, by the remover: it notes nothing while no save is in flight.)"""
+    global _in_flight
+    _in_flight = False
     _process_hooks.remove(_HOOK)
 
 
 def _note(status) -> None:
     """``sys.exit(status)``'s part (on another thread it ends only that thread)."""
     global _requested
-    if threading.current_thread() is threading.main_thread():
+    if _in_flight and threading.current_thread() is threading.main_thread():
         _requested = (status,)
 
 
@@ -66,11 +79,7 @@ def program_status() -> int:
     if _requested is None:
         return 0
     status = _requested[0]
-    if status is None:
-        return 0
-    if isinstance(status, int):
-        return status & 0xFF  # (the C exit() keeps the low byte: -1 is 255)
-    return 1  # (the interpreter printed the object)
+    return status_of_exit(status)
 
 
 def status_after_a_lost_save(status: int) -> int:
@@ -90,10 +99,5 @@ def words(status: int) -> str:
 def end(status: int) -> None:
     """End the process with ``status`` (streams flushed by the caller)."""
     if status == BY_SIGINT:
-        try:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        except Exception:  # noqa: BLE001 - no signals here: the shell's status for SIGINT
-            pass
-        os._exit(128 + signal.SIGINT)
+        end_by_sigint()
     os._exit(status_after_a_lost_save(status))

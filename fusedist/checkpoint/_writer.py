@@ -19,7 +19,6 @@ import atexit
 import contextlib
 import math
 import os
-import sys
 import threading
 import time
 import uuid
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from ..comm import aborted_groups, get_communicator
 from ..comm.objects import all_gather_object, broadcast_object
 from ..distributed import collective_timeout
+from .._exit_codes import flush_files
 from .._process_hooks import at_exit
 from . import _destroy_waits, _exit_status
 
@@ -582,10 +582,5 @@ def _finish_at_shutdown() -> None:
 def _end_failed(status: int) -> None:
     atexit.unregister(_end_failed)
     atexit._run_exitfuncs()  # (every other handler, once: none has run yet)
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        try:
-            if stream is not None and not stream.closed:
-                stream.flush()
-        except Exception:  # noqa: BLE001 - a stream that cannot flush: nothing more to do for it
-            pass
+    flush_files()  # (what os._exit would leave unwritten: a log file the program never closed too)
     _exit_status.end(status)  # 1 for 0, else the program's (Note [the status of a save lost at exit])

@@ -54,10 +54,11 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal
 import sys
 import threading
 from typing import Optional
+
+from .._exit_codes import end_by_sigint, flush_files, status_of_exit
 
 #: ``id()`` of the uncaught exception that ends the process (set by the excepthook while a
 #: communicator has given up), checked against ``sys.last_value`` at exit. Not the exception
@@ -135,15 +136,6 @@ def on_exit_request(status) -> None:
         pass
 
 
-def _exit_status(status) -> int:
-    """The process status the interpreter makes of ``sys.exit(status)``."""
-    if status is None:
-        return 0
-    if isinstance(status, int):
-        return status & 0xFF  # (the C exit() keeps the low byte: -1 is 255)
-    return 1  # (the interpreter printed the object to stderr before the exit handlers ran)
-
-
 def _finish() -> None:
     """The first exit handler (Note [ending after given-up collectives]): run the others, then end
     the process with the interpreter's status, skipping its shutdown."""
@@ -159,34 +151,9 @@ def _finish() -> None:
         return
     _ending = True
     atexit._run_exitfuncs()  # (clears them: none runs twice)
-    _flush_files()
+    flush_files()
     if not uncaught:
-        os._exit(_exit_status(_exit_request[0]))
+        os._exit(status_of_exit(_exit_request[0]))
     if _interrupted:  # Python ends such a process by SIGINT
-        try:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        except Exception:  # noqa: BLE001 - no signals here: the shell's status for SIGINT
-            pass
-        os._exit(128 + signal.SIGINT)
+        end_by_sigint()
     os._exit(1)
-
-
-def _flush_files() -> None:
-    """Flush the standard streams and every open file object: the interpreter's shutdown, which
-    ``os._exit`` skips, would have (a log file the program never closed keeps its last lines).
-    A tenth of a second with torch loaded."""
-    import gc
-    import io
-
-    files = [sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__]
-    try:
-        files += [obj for obj in gc.get_objects() if issubclass(type(obj), io.IOBase)]
-    except Exception:  # noqa: BLE001 - the standard streams at least
-        pass
-    for stream in files:
-        try:
-            if stream is not None and not stream.closed:
-                stream.flush()
-        except Exception:  # noqa: BLE001 - a stream that cannot flush: nothing more to do for it
-            pass

@@ -54,12 +54,41 @@ def _init_under_each_case(rank, world, ports):
             out[name] = ("error", type(exc).__name__, str(exc), dist.is_initialized())
         for variable in settings:
             os.environ.pop(variable, None)
+    out["ddp over torch's init"] = _ddp_over_torchs_init(rank, ports[-1])
     return out
+
+
+def _ddp_over_torchs_init(rank, port):
+    """FUSEDIST_CHECKS differing across ranks under a group torch's init_process_group made (no
+    init_distributed check): fusedist's DDP construction check names it."""
+    import torch
+    import torch.distributed as dist
+
+    import fusedist
+
+    os.environ["MASTER_PORT"], os.environ["FUSEDIST_CHECKS"] = str(port), ("1", "0")[rank]
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        fusedist.DistributedDataParallel(torch.nn.Linear(2, 2))
+        return ("ok",)
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return ("error", type(exc).__name__, str(exc))
+    finally:
+        os.environ.pop("FUSEDIST_CHECKS", None)
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def launched():
-    return run_distributed(_init_under_each_case, 2, [_free_port() for _ in _CASES], backend=None, timeout=90)
+    return run_distributed(_init_under_each_case, 2, [_free_port() for _ in _CASES] + [_free_port()], backend=None,
+                           timeout=90)
+
+
+def test_ddp_over_torchs_own_init_compares_the_settings_that_must_agree(launched):
+    results = [by_case["ddp over torch's init"] for by_case in launched]
+    assert [r[:2] for r in results] == [("error", "RankMismatchError")] * 2, results
+    for r in results:
+        assert "FUSEDIST_CHECKS=True" in r[2] and "FUSEDIST_CHECKS=False" in r[2], r[2]
 
 
 def _errors(launched, case):

@@ -7,6 +7,7 @@ collectives that pair up wrongly later."""
 from __future__ import annotations
 
 from .._consistency import check_same_across_ranks
+from ..reliability.settings_agreement import must_agree_readings
 from .layout import slot_order
 
 __all__ = ["check_layout_agrees", "check_model_agrees", "check_reduction_agrees"]
@@ -21,6 +22,8 @@ def check_model_agrees(ddp) -> None:
                 for n, p in ddp.synced_parameters()]
     entries += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in ddp.synced_buffers()]
     entries += [("setting", name, value, "", True) for name, value in _construction_settings(ddp.config)]
+    # (a group made by torch's init_process_group skipped init_distributed's check of these)
+    entries += [("setting", name, value, "", True) for name, value in must_agree_readings()]
     check_same_across_ranks(
         entries,
         "the model (parameters and buffers)",  # and the settings: the entry names one

@@ -14,7 +14,9 @@ Note [settings that must agree]
     imported only where some rank set the variable, so an unset environment costs the one
     exchange. The collective timeout is not compared: ranks with different timeouts pair their
     collectives as torch's do (a rank gives up sooner, naming the stall), as torch's
-    ``init_process_group`` allows a timeout per rank.
+    ``init_process_group`` allows a timeout per rank. A program that made its group with torch's own
+    ``init_process_group`` skips this; ``DistributedDataParallel``'s construction check compares the
+    readings of the settings that must agree (:func:`must_agree_readings`) with the model's.
 """
 
 from __future__ import annotations
@@ -67,6 +69,18 @@ def check_settings_agree(group=None) -> None:
                 f"fusedist.init_distributed: {name} differs across ranks (this is rank {rank}): {values}. It decides "
                 "which collectives each step runs, so ranks that differ would pair their collectives wrongly and "
                 f"stall; set {name} alike on every rank (or on none)")
+
+
+def must_agree_readings() -> list:
+    """``(variable, this rank's reading)`` of each setting that must agree across ranks, for a
+    model's construction check to compare: a program that made its group with torch's own
+    ``init_process_group`` never ran :func:`check_settings_agree` (Note [settings that must agree])."""
+    readings = []
+    for name, (_, _, agree) in SETTINGS.items():
+        if agree:
+            status, value = _read(name)
+            readings.append((name, repr(value) if status == "ok" else f"refused ({value})"))
+    return readings
 
 
 def _read(name: str):

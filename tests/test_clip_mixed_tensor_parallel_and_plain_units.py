@@ -144,7 +144,8 @@ def test_refusal_names_the_units_on_each_side(launched):
         for name in ("torch", "fusedist"):
             msg = out[name]
             # (the plain head shares the tensor-parallel units' holder: one owner, held alike across tp ranks)
-            assert "fully_shard(Sequential (0.weight, 0.bias, ...), Linear (weight, bias)) [data-parallel group " \
-                   "of 2, tensor-parallel group of 2]" in msg, (name, msg)
+            # (the units named as fully_shard's messages name them: the root's own as the root module)
+            assert "fully_shard units the root module (Sequential) (0.weight, 0.bias, ...), '3' (Linear) (3.weight, " \
+                   "3.bias) [data-parallel group of 2, tensor-parallel group of 2]" in msg, (name, msg)
             assert "not sharded by fully_shard or a ZeRO optimizer (parameter 6 of shape (3,))" in msg, (name, msg)
             assert "clip each owner's parameters on their own" in msg, (name, msg)

@@ -17,7 +17,7 @@ from torch import nn
 
 from .layout import DimShardedError, alias
 from .param_view import as_piece
-from .tree_names import param_path, unit_named
+from .tree_names import param_path, unit_named, unit_owner
 
 
 class PieceMixin:
@@ -198,8 +198,8 @@ class PieceMixin:
                 kinds.setdefault(getattr(data[i], what), param_path(self, i))
             if len(kinds) > 1:
                 found = ", ".join(f"'{fqn}' {kind}" for kind, fqn in kinds.items())
-                return (f"fusedist.fully_shard({self.name or 'root'}): a conversion changed the {what} of some "
-                        f"parameters of this unit and not others ({found}); the unit holds them in one flat shard of "
+                return (f"fusedist.fully_shard: a conversion changed the {what} of some parameters of "
+                        f"{unit_owner(self)} and not others ({found}); the unit holds them in one flat shard of "
                         f"one {what}. Convert the whole module given to fully_shard (or the root), e.g. "
                         "model.to(dtype), or convert the submodule before calling fully_shard, which takes "
                         "parameters of several dtypes.")

@@ -214,21 +214,21 @@ def unit_where(unit) -> str:
 
 def unit_named(unit) -> str:
     """``unit`` where a message says "unit ...": "unit blocks.0 (Block)", and the root's own
-    unit as "the root module (Net)" (its label's "<root>" read as a path nobody wrote)."""
-    return f"the root module ({unit.name})" if unit.path == "" else f"unit {unit.label}"
+    unit as "the root module (Net)" (its label)."""
+    return unit.label if unit.path == "" else f"unit {unit.label}"
 
 
 def unit_listed(unit) -> str:
-    """``unit`` in a list of units: "blocks.0 (Block)" (its label), the root's own unit as "the
-    root module (Net)"."""
-    return f"the root module ({unit.name})" if unit.path == "" else unit.label
+    """``unit`` in a list of units: its label, "blocks.0 (Block)", the root's own unit "the root
+    module (Net)"."""
+    return unit.label
 
 
 def unit_owner(unit) -> str:
     """``unit`` after a parameter's path from the root ("'0.weight' of ..."): the call that holds
     it, ``fully_shard(Block)`` -- the path already says where -- and the root's own unit as "the
     root module (Net)" once the root named it, so a message does not make it look like a block."""
-    return f"the root module ({unit.name})" if unit.path == "" else f"fully_shard({unit.name or 'root'})"
+    return f"the root module ({unit.name})" if unit.path == "" else f"fully_shard({unit.name})"
 
 
 def _names_in_unit(unit, modules: list) -> list:

@@ -100,6 +100,7 @@ from .registrations import Registrations
 from . import stale
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from .param_view import ShardParam, as_piece
+from .tree_names import param_path, unit_owner
 
 
 class ShardedUnit(BufferMixin, PieceMixin):
@@ -426,18 +427,20 @@ class ShardedUnit(BufferMixin, PieceMixin):
         """Raise unless the unit's shard holds data: a unit built on meta is gathered only
         after ``to_empty``."""
         if self.is_meta:
+            names = [param_path(self, i) for i in range(len(self.names))]
             raise RuntimeError(
-                f"fusedist.fully_shard({self.name or 'root'}): the unit's parameters ({_first_names(self.names)}) "
-                "are still on the meta device. Call model.to_empty(device=...) on the model, then initialize it "
+                f"fusedist.fully_shard: the parameters ({_first_names(names)}) of {unit_owner(self)} are still on "
+                "the meta device. Call model.to_empty(device=...) on the model, then initialize it "
                 "(fusedist.fsdp.init_parameters(model), or load a checkpoint), before running it.")
 
     @property
     def label(self) -> str:
         """The unit in collective tags, hence in timeouts and stall reports: its module's path
-        under the root (which of several alike blocks) and class."""
+        under the root (which of several alike blocks) and class, the root's own unit as "the
+        root module (Net)" (as messages name it: Note [unit paths follow the module] in tree_names.py)."""
         if self.path is None:
-            return self.name or "root"
-        return f"{self.path or '<root>'} ({self.name})"
+            return self.name
+        return f"{self.path} ({self.name})" if self.path else f"the root module ({self.name})"
 
     @property
     def gather_in_flight(self) -> bool:

@@ -144,12 +144,13 @@ def _describe_holder(holder, params: list) -> str:
     if not hasattr(holder, "tp"):
         return f"{type(holder).__name__} ({len(params)} parameters)"
     from ..fsdp.owners import owner_of
+    from ..fsdp.tree_names import param_path, unit_where
 
-    units: dict = {}
+    units: dict = {}  # (named as the fully_shard messages name them: Note [unit paths follow the module])
     for p in params:
         owned = owner_of(p)
         if owned is not None:
-            units.setdefault(id(owned[0]), (owned[0].name or "root", []))[1].append(owned[0].names[owned[1]])
+            units.setdefault(id(owned[0]), (unit_where(owned[0]), []))[1].append(param_path(*owned))
     names = ", ".join(f"{name} ({', '.join(fqns[:2])}{', ...' if len(fqns) > 2 else ''})"
                       for name, fqns in units.values())
     groups = [f"data-parallel group of {holder.comm.world_size}"]
@@ -157,7 +158,7 @@ def _describe_holder(holder, params: list) -> str:
         groups.append(f"replicate group of {holder.replicate.world_size}")
     groups.append(f"tensor-parallel group of {holder.tp.world_size}" if holder.tp is not None
                   else "no tensor-parallel parameters")
-    return f"fully_shard({names or '?'}) [{', '.join(groups)}]"
+    return f"fully_shard units {names or '?'} [{', '.join(groups)}]"
 
 
 def mixed_holders_message(what: str, params: list, unheld) -> str:

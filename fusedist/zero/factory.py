@@ -14,13 +14,18 @@ from torch.optim import Optimizer
 
 
 def default_optimizer_class():
-    """FusedAdamW, the drop-in default; a clear error where this installation lacks it."""
+    """FusedAdamW, the drop-in default; a clear error where this installation lacks it, naming the
+    rank (a host of its own may lack it: the constructor raises it after the ranks' comparison, so
+    every rank fails at once, Note [refusals of one rank's own arguments] in param_checks.py)."""
     try:
         from ..optim import FusedAdamW
     except ImportError as exc:  # fusedist.optim not built into this installation
+        from .._rank import this_rank
+
         raise TypeError(
-            "ZeroRedundancyOptimizer: optimizer_class not given and fusedist.optim.FusedAdamW is "
-            f"unavailable ({exc}); pass optimizer_class=torch.optim.AdamW (or another optimizer)"
+            f"ZeroRedundancyOptimizer (rank {this_rank()}): optimizer_class not given and "
+            "fusedist.optim.FusedAdamW is unavailable on this host; pass optimizer_class=torch.optim.AdamW "
+            f"(or another optimizer) on every rank (the import said: {exc})"
         ) from exc
     return FusedAdamW
 

@@ -214,17 +214,36 @@ def on_layout_change(zero, layout) -> None:
     """DDP's layout listener: take on the parameters of buckets DDP appended."""
     part = zero._partition
     old, new = part.buckets, layout.buckets
-    same = len(new) >= len(old) and all(
-        a.dtype == b.dtype and a.start == b.start and a.end == b.end and a.offsets == b.offsets
-        and len(a.params) == len(b.params) and all(x is y for x, y in zip(a.params, b.params))
-        for a, b in zip(old, new))
-    if not same:
-        raise RuntimeError("ZeroRedundancyOptimizer: the DDP bucket layout changed after the shards were built")
+    changed = _changed_bucket(old, new)
+    if changed is not None:
+        # (the same on every rank: DDP's own listener compared the new layout across ranks first)
+        raise RuntimeError(
+            f"ZeroRedundancyOptimizer (rank {zero.rank}): the DDP bucket layout changed after the shards were "
+            f"built ({changed}); the shards follow only buckets DDP appends. Build the optimizer again over the "
+            "model's parameters after such a change (carry its state over with state_dict()/load_state_dict()).")
     if len(new) == len(old):
         return  # parameters frozen since: they keep their slices and are skipped without a gradient
     added = [(p, n) for b in new[len(old):] for p, n in zip(b.params, b.names)]
     _check_held(zero, [p for p, _ in added], [n for _, n in added])
     _grow(zero, list(new))
+
+
+def _changed_bucket(old: list, new: list):
+    """How ``new`` (DDP's layout's buckets) changed the buckets ``old`` the shards were built on,
+    or None where it only appended some."""
+    if len(new) < len(old):
+        return f"{len(old)} buckets before, {len(new)} now"
+    for k, (a, b) in enumerate(zip(old, new)):
+        if a.dtype != b.dtype:
+            return f"bucket {k}: {a.dtype} before, {b.dtype} now"
+        if (a.start, a.end) != (b.start, b.end):
+            return f"bucket {k}: elements [{a.start}, {a.end}) before, [{b.start}, {b.end}) now"
+        if list(a.offsets) != list(b.offsets):
+            return f"bucket {k}: parameter offsets {list(a.offsets)[:6]} before, {list(b.offsets)[:6]} now"
+        if len(a.params) != len(b.params) or any(x is not y for x, y in zip(a.params, b.params)):
+            names = getattr(b, "names", None) or ["?"] * len(b.params)
+            return f"bucket {k}: other parameters now ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+    return None
 
 
 @torch.no_grad()

@@ -173,10 +173,12 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
         self.offload = "cpu" if offload == "cpu" else None
         # What constructs the inner optimizer (and the probes of it), and the class behind it:
         # optimizer_class may be a functools.partial (Hydra's `_partial_: true` configs make them).
-        self._optimizer_factory = optimizer_class or default_optimizer_class()
+        self._optimizer_factory = optimizer_class
         self.optimizer_class = None
         try:  # Note [refusals of one rank's own arguments] in param_checks.py: raised after the comparison
             param_checks.check_arguments(stage, offload, max_buckets_in_flight, overlap_with_ddp)
+            # (the default class may be missing on one host only: refused after the comparison too)
+            self._optimizer_factory = optimizer_class or default_optimizer_class()
             self.optimizer_class = optimizer_type(self._optimizer_factory, defaults)
             # Note [elementwise optimizers only] (fusedist/optim/elementwise.py)
             check_elementwise(self.optimizer_class, "ZeroRedundancyOptimizer", "flat slices of each rank's shard")
@@ -360,8 +362,9 @@ class ZeroRedundancyOptimizer(ZeroScalerProtocol, GradientsMixin, PieceSplitting
             self.wait_for_params()
             if self.stage == 2 and self.ddp.reducer.holds_gradients() and not self.ddp.reducer.in_backward:
                 raise RuntimeError(
-                    "ZeroRedundancyOptimizer(stage=2).step(): the last backward ran under no_sync(), so its "
-                    "gradients were never reduced; run the last micro-batch's backward outside no_sync()"
+                    f"ZeroRedundancyOptimizer(stage=2).step() (rank {self.rank}): the last backward ran under "
+                    "no_sync(), so its gradients were never reduced; run the last micro-batch's backward outside "
+                    "no_sync()"
                 )
             self._follow_model_buckets()  # Note [the buckets of a newer wrapper] in shards.py
             grow.join_pending(self, compare=True)  # Note [growing the partition]

@@ -86,7 +86,7 @@ def param_name(unit, index: int, with_unit: bool = False) -> str:
     from .tree_names import param_path, unit_owner
 
     if unit.path is None:
-        return f"'{unit.names[index]}' of fully_shard({unit.name or 'root'})"
+        return f"'{unit.names[index]}' of {unit_owner(unit)}"
     named = f"'{param_path(unit, index)}'"
     return f"{named} of {unit_owner(unit)}" if with_unit else named
 

@@ -77,7 +77,7 @@ def _refused(call):
     return None
 
 
-def _pipeline(rank, world, module, schedule_name, n_microbatches, static, loss_fn=_mse):
+def _pipeline(rank, world, module, schedule_name, n_microbatches, static, loss_fn=_mse, **schedule_kwargs):
     from torch.distributed import pipelining
 
     from fusedist.pipelining import PipelineStage
@@ -87,7 +87,8 @@ def _pipeline(rank, world, module, schedule_name, n_microbatches, static, loss_f
         example = torch.zeros(BATCH // MICRO_BATCHES, WIDTH)
         shapes = {"input_args": (example,), "output_args": (example,)}
     stage = PipelineStage(module, rank, world, torch.device("cpu"), **shapes)
-    return stage, getattr(pipelining, schedule_name)(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    return stage, getattr(pipelining, schedule_name)(stage, n_microbatches=n_microbatches, loss_fn=loss_fn,
+                                                     **schedule_kwargs)
 
 
 def _step(schedule, rank, world, x, y):
@@ -315,11 +316,15 @@ def test_stage_counts_or_indices_that_differ_across_ranks_fail_every_rank_at_onc
 
 def _short_batch_worker(rank, world, seed, schedule_name, static, good_steps, short, evaluate):
     """After ``good_steps`` good steps, a step whose batch has 2 rows for 4 micro-batches (``short``: "both"
-    the inputs and the target, or only the "target"; "empty ...": no rows): what each rank raised and in how
-    many seconds, whether an all_reduce works, and a fresh pipeline's difference from the unpipelined model."""
+    the inputs and the target, or only the "target"; "empty ...": no rows; "spec ...": the schedule built with
+    an args_chunk_spec): what each rank raised and in how many seconds, whether an all_reduce works, and a fresh
+    pipeline's difference from the unpipelined model."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
     torch.manual_seed(seed)
     module = _Stage()
-    _, schedule = _pipeline(rank, world, module, schedule_name, MICRO_BATCHES, static)
+    spec = {"args_chunk_spec": (TensorChunkSpec(0),)} if short.startswith("spec") else {}
+    _, schedule = _pipeline(rank, world, module, schedule_name, MICRO_BATCHES, static, **spec)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     for _ in range(good_steps):
         _step(schedule, rank, world, x, y)
@@ -338,7 +343,7 @@ def _short_batch_worker(rank, world, seed, schedule_name, static, good_steps, sh
 # or inferred), the step's-end exchange of a later step, an eval step; a later step's target of no rows
 _SHORT = [("ScheduleGPipe", True, 0, "both", False), ("Schedule1F1B", False, 0, "both", False),
           ("Schedule1F1B", True, 1, "target", False), ("ScheduleGPipe", False, 1, "both", True),
-          ("ScheduleGPipe", False, 1, "empty target", False)]
+          ("ScheduleGPipe", False, 1, "empty target", False), ("Schedule1F1B", False, 1, "spec both", False)]
 
 
 @pytest.mark.parametrize("case", _SHORT, ids=["-".join(map(str, case)) for case in _SHORT])
@@ -349,16 +354,22 @@ def test_a_batch_smaller_than_n_microbatches_fails_every_rank_at_once(case, laun
     its rank) that took the batch; the group works, and a fresh pipeline on it gives the unpipelined model's
     gradients (fp32: 1e-6). Note [a target of no rows]: after a good step, a target of no rows (torch's
     split asserted on the last rank alone, with torch's stage too, and the others waited for the timeout) is
-    refused alike."""
+    refused alike. Note [inputs split along chunk specs]: with an args_chunk_spec torch's split handed back 2
+    micro-batches, and the schedule's count check raised on rank 0 alone; refused alike."""
     _, _, _, short, _ = case
     rows = 0 if short.startswith("empty") else 2
     results = results_of(launched, "short " + " ".join(map(str, case)))
     assert len({raised for raised, *_ in results}) == 1, results
     for rank, (raised, seconds, total, diff) in enumerate(results):
-        assert raised is not None and f"has {rows} rows, fewer than n_microbatches=4" in raised, (rank, raised)
-        if short.endswith("target"):
+        if short.startswith("spec"):
+            assert "stage 0 (rank 0 of the pipeline's group): torch's split of the step's inputs along the " \
+                "schedule's chunk specs gave 2 micro-batches, not n_microbatches=4" in str(raised) or (
+                    "stage 2 (rank 2 of the pipeline's group): the step's target (shape (2, 8))" in str(raised)), raised
+        elif short.endswith("target"):
+            assert f"has {rows} rows, fewer than n_microbatches=4" in str(raised), (rank, raised)
             assert f"stage 2 (rank 2 of the pipeline's group): the step's target (shape ({rows}, 8))" in raised, raised
         else:
+            assert f"has {rows} rows, fewer than n_microbatches=4" in str(raised), (rank, raised)
             assert "(rank 0 of the pipeline's group): the step's input 0 (shape (2, 8))" in raised or (
                 "stage 2 (rank 2 of the pipeline's group): the step's target" in raised), raised
         assert seconds < 5 and total == 3, (rank, seconds, total)

@@ -236,6 +236,51 @@ def test_a_scheduler_on_the_inner_optimizer_counts_a_step_without_gradients(laun
         assert out["fusedist"] == out["torch"] == ([], 0.05), (rank, out)
 
 
+def _frozen_then_unfrozen(rank, world_size):
+    """A model frozen whole for its first two steps (step hooks and an LR scheduler on ``optimizer.optim``),
+    then unfrozen for one step of hand-averaged gradients: torch's ZeroRedundancyOptimizer steps its local
+    optimizer over the frozen parameters. Per optimizer: post-hook calls, scheduler warnings, the inner lr
+    after the frozen steps, and the parameters at the end."""
+    import warnings
+
+    import fusedist
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    out = {}
+    for name, cls in (("torch", TorchZero), ("fusedist", fusedist.ZeroRedundancyOptimizer)):
+        model = _model().requires_grad_(False)
+        opt = cls(model.parameters(), torch.optim.SGD, lr=0.1)
+        calls = _counted(opt.optim)
+        schedule = torch.optim.lr_scheduler.StepLR(opt.optim, 1, gamma=0.5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                opt.step()
+                schedule.step()
+        frozen_lr = opt.optim.param_groups[0]["lr"]
+        model.requires_grad_(True)
+        g = torch.Generator().manual_seed(rank)
+        nn.functional.mse_loss(model(torch.randn(4, 16, generator=g)), torch.randn(4, 2, generator=g)).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+        opt.step()
+        warned = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+        out[name] = {"calls": calls[1], "warned": warned, "lr": frozen_lr, "params": _flat(model)}
+    return out
+
+
+def test_a_model_frozen_whole_steps_the_inner_optimizer_as_torch(launched):
+    """Before, a step over a model frozen whole returned before the inner optimizer: its post-hooks ran 1
+    time of torch's 3, the scheduler warned that it was stepped before the optimizer, and the inner lr
+    kept the scheduler's 0.025 where torch's step put the groups' 0.1 back (0.05 after the last)."""
+    for rank, out in enumerate(results_of(launched, "frozen whole")):
+        theirs, ours = out["torch"], out["fusedist"]
+        assert (ours["calls"], ours["warned"], ours["lr"]) == (theirs["calls"], theirs["warned"], theirs["lr"]) \
+            == (3, [], 0.05), (rank, out)
+        assert (ours["params"] - theirs["params"]).abs().max().item() < 1e-6, rank
+
+
 def _averaging_hook(state, bucket):
     """A communication hook of one's own (torch's recipe): DDP's gradient sync becomes the hook."""
     tensor = bucket.buffer().div_(dist.get_world_size())
@@ -318,6 +363,8 @@ def launched(request):
             "without gradients, on device": (_rank_without_gradients, (None,))},
         "test_a_step_without_gradients_steps_the_inner_optimizer_as_torch": {
             f"stepless {case}": (_steps_without_gradients, args) for case, args in STEPLESS.items()},
+        "test_a_model_frozen_whole_steps_the_inner_optimizer_as_torch": {
+            "frozen whole": (_frozen_then_unfrozen, ())},
         "test_a_scheduler_on_the_inner_optimizer_counts_a_step_without_gradients": {
             "scheduler on optim": (_scheduler_on_the_inner_optimizer, ())},
         "test_refusals_name_the_rank_and_one_rank_alone_fails_every_rank_at_once": {

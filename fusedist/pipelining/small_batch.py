@@ -22,6 +22,15 @@ Note [a batch smaller than n_microbatches]
     count lent needs no frame.) A schedule whose ``step`` is not torch's own, or whose
     ``_step_microbatches`` takes no ``target_mbs``, keeps torch's split.
 
+Note [inputs split along chunk specs]
+    With ``args_chunk_spec`` or ``kwargs_chunk_spec`` given, the inputs' rows are not read here (a spec
+    names its own dimension, or replicates): torch's split decides. A tensor shorter than
+    ``n_microbatches`` along its chunk dimension does not make it raise: it hands back fewer micro-batches,
+    and the schedule's check of their number ("Expecting 4 arg_mbs but got 2") raised on the first stage's
+    rank alone, the others waiting for the process group's timeout -- with torch's own stage too. A split
+    into another number than ``n_microbatches`` is now recorded as a short batch, and refused on every
+    rank at once as above.
+
 Note [a target of no rows]
     torch's split asserts at least one row per micro-batch, so a target of no rows (a batch of 0) raised
     ``AssertionError: Tensor size 0 is smaller than num_chunks`` on the last stage's rank, before any message,
@@ -55,6 +64,7 @@ def wrap_split(schedule) -> None:
         if short is None:
             try:
                 split = original(args, kwargs)
+                short = _fewer_chunks(split, count)
             except Exception as e:  # noqa: BLE001 - told to every rank at micro-batch 0
                 short = (f"the schedule could not split the step's inputs into n_microbatches={count} "
                          f"micro-batches: {type(e).__name__}: {e}")
@@ -140,6 +150,17 @@ def _short_inputs(schedule, args, kwargs, count: int):
         for leaf in tree_leaves(value):
             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.size(0) < count:
                 return _rows_message(f"input {name!r}", leaf, count)
+    return None
+
+
+def _fewer_chunks(split, count: int):
+    """The message for a split of the inputs into another number of micro-batches than ``count``, else None
+    (Note [inputs split along chunk specs])."""
+    got = [len(part) for part in split if isinstance(part, (list, tuple))]
+    if count and any(n != count for n in got):
+        return (f"torch's split of the step's inputs along the schedule's chunk specs gave {min(got)} "
+                f"micro-batches, not n_microbatches={count}: an input has fewer than n_microbatches rows "
+                "along its chunk dimension")
     return None
 
 

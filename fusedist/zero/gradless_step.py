@@ -13,8 +13,12 @@ Note [a step without gradients]
     may have changed the shards: always without a DDP model (another rank may hold gradients and
     gather: Note [gathers without gradients] below), and with one (every rank is here alike) unless
     the inner optimizer is one of torch's or fusedist's, which change nothing without gradients.
-    A model frozen whole has no inner pieces to step; with ``offload="cpu"`` the host Adam changes
-    nothing without gradients: both keep the gathers alone.
+    A model frozen whole steps its inner optimizer too (it has no pieces): torch's local optimizer
+    is stepped over the frozen parameters, so its step hooks run and an LR scheduler built on it
+    finds its step; here both were skipped (a backbone frozen for its first steps: hooks counting
+    fewer steps than torch's, the scheduler warning that it was stepped first, and the inner
+    learning rate keeping the scheduler's writes that torch's step puts back from the groups).
+    With ``offload="cpu"`` the host Adam changes nothing without gradients: the gathers alone.
 
 Note [gathers without gradients]
     Without a DDP model the gradients are the caller's (e.g. torch's DDP), and another rank may
@@ -36,7 +40,7 @@ _GRADIENT_DRIVEN = ("torch.", "fusedist.")
 def step_without_grads(zero) -> None:
     """``zero.step()`` where no trainable parameter has a gradient (Note [a step without gradients])."""
     alone = zero.ddp is None and zero.world_size > 1  # (Note [gathers without gradients])
-    if not zero._trainable or zero._offload is not None:
+    if zero.offload:  # (set at construction; the host Adam itself is made at the first step)
         if alone:
             _gather(zero)
         return

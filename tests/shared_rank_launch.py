@@ -15,6 +15,8 @@ import os
 import time
 import traceback
 
+import pytest
+
 from fusedist.testing import run_distributed
 from scenario_agreement import AFTER_ABORT, ScenarioAgreement
 
@@ -33,7 +35,8 @@ def _run_in_turn(rank: int, world: int, scenarios: list, wait_s: float = 3600.0)
         start = time.perf_counter()
         try:
             results[name] = (True, fn(rank, world, *args))
-        except Exception:  # noqa: BLE001 - the scenario's test reports it
+        except (Exception, pytest.fail.Exception):  # noqa: BLE001 - the scenario's test reports it (a missed
+            # pytest.raises too: a BaseException, which ended the whole launch and failed every test of the file)
             trace = traceback.format_exc()
             results[name] = (False, agreement.failure_text(index, trace) if agreement else f"rank {rank}:\n{trace}")
         if agreement:

@@ -16,7 +16,6 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
 from shared_rank_launch import launch_for_selected, results_of
 
 # ----------------------------------------------------------------------------- resharding
@@ -357,8 +356,20 @@ def _failing_save(rank, world_size, root):
     return out
 
 
-def test_a_failed_write_fails_every_rank_promptly_and_keeps_the_group(tmp_path):
-    results = run_distributed(_failing_save, 2, str(tmp_path), timeout=120, pg_timeout=20)
+@pytest.fixture(scope="module")
+def failed_writes(request, tmp_path_factory):
+    """The two tests of failing writes at 2 ranks in one launch."""
+    return launch_for_selected(request, {
+        "test_a_failed_write_fails_every_rank_promptly_and_keeps_the_group": {
+            "failing save": (_failing_save, (str(tmp_path_factory.mktemp("failing-save")),))},
+        "test_a_failed_save_over_a_checkpoint_keeps_it": {
+            "failing save over a checkpoint": (_failing_save_over_a_checkpoint,
+                                               (str(tmp_path_factory.mktemp("failing-save-over")),))},
+    }, 2, timeout=120, pg_timeout=20)
+
+
+def test_a_failed_write_fails_every_rank_promptly_and_keeps_the_group(failed_writes):
+    results = results_of(failed_writes, "failing save")
     for rank, out in enumerate(results):
         for where, who in (("rank_file", 1), ("common", 0), ("manifest", 0)):
             assert f"rank {who}" in out[where] and "No space left on device" in out[where], (rank, where, out[where])
@@ -393,8 +404,8 @@ def _failing_save_over_a_checkpoint(rank, world_size, root):
     return out
 
 
-def test_a_failed_save_over_a_checkpoint_keeps_it(tmp_path):
-    results = run_distributed(_failing_save_over_a_checkpoint, 2, str(tmp_path), timeout=120, pg_timeout=20)
+def test_a_failed_save_over_a_checkpoint_keeps_it(failed_writes):
+    results = results_of(failed_writes, "failing save over a checkpoint")
     for rank, out in enumerate(results):
         first = out["first"]
         assert first == ["common.pt", "manifest.json", "rank-00000.pt", "rank-00001.pt"], first

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 
 GLOBAL_BATCH = 12
 SAVE_AT, STEPS = 3, 6
@@ -153,10 +156,6 @@ def _fused(params):
     return fusedist.optim.FusedAdamW(params, lr=1e-2, weight_decay=0.1, master_weights=True)
 
 
-def _saved(tmp_path, fused=False, world=2):
-    root = str(tmp_path)
-    run_distributed(_save, world, root, fused, timeout=120)
-    return root
 
 
 # ---------------------------------------------------------------------------------------- load
@@ -245,32 +244,72 @@ def _check_all_empty(results):
             assert v == [], (k, out)
 
 
-def test_dim_sharded_checkpoint_loads_at_world_3_into_fully_shard(tmp_path):
-    root = _saved(tmp_path)
-    _check_fully_shard(run_distributed(_into_fully_shard, 3, root, timeout=120))
+# ------------------------------------------------------------------------------ shared launches
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The saves at world 2 in one launch, then every load at world 3 and the save at world 3 in
+    another, then the loads at world 2 in a third: three launches for the tests' sixteen."""
+    roots = {what: str(tmp_path_factory.mktemp(f"dim-sharded-{what}")) for what in ("plain", "fused", "world3")}
+    plain, fused, world3 = roots["plain"], roots["fused"], roots["world3"]
+    needs_save = {test: {"save": (_save, (plain, False))} for test in (
+        "test_dim_sharded_checkpoint_loads_at_world_3_into_fully_shard",
+        "test_dim_sharded_checkpoint_loads_at_world_2_into_fully_shard",
+        "test_dim_sharded_checkpoint_loads_into_ddp_and_back", "test_dim_sharded_checkpoint_loads_into_zero2_and_back",
+        "test_dim_sharded_checkpoint_format")}
+    needs_fused = {test: {"save fused": (_save, (fused, True))} for test in (
+        "test_dim_sharded_fused_adamw_master_weights_at_world_3",
+        "test_dim_sharded_fused_adamw_master_weights_at_world_2")}
+    out = launch_phase(request, {**needs_save, **needs_fused}, 2, timeout=180)
+    out.update(launch_phase(request, {
+        "test_dim_sharded_checkpoint_loads_at_world_3_into_fully_shard": {
+            "fully_shard at 3": (_into_fully_shard, (plain,))},
+        "test_dim_sharded_checkpoint_loads_into_ddp_and_back": {"ddp at 3": (_into_ddp, (plain,))},
+        "test_dim_sharded_checkpoint_loads_into_zero2_and_back": {"zero2 at 3": (_into_zero2, (plain,))},
+        "test_dim_sharded_fused_adamw_master_weights_at_world_3": {"fused at 3": (_fused_into, (fused,))},
+        "test_dim_sharded_checkpoint_saved_at_world_3_loads_at_world_2": {"save at 3": (_save, (world3, False))},
+    }, 3, timeout=180))
+    out.update(launch_phase(request, {
+        "test_dim_sharded_checkpoint_loads_at_world_2_into_fully_shard": {
+            "fully_shard at 2": (_into_fully_shard, (plain,))},
+        "test_dim_sharded_fused_adamw_master_weights_at_world_2": {"fused at 2": (_fused_into, (fused,))},
+        "test_dim_sharded_checkpoint_saved_at_world_3_loads_at_world_2": {
+            "fully_shard at 2 from 3": (_into_fully_shard, (world3,))},
+    }, 2, timeout=180))
+    out["roots"] = roots
+    return out
 
 
-def test_dim_sharded_checkpoint_loads_at_world_2_into_fully_shard(tmp_path):
-    root = _saved(tmp_path)
-    _check_fully_shard(run_distributed(_into_fully_shard, 2, root, timeout=120))
+def _loaded(launched, save: str, load: str) -> list:
+    """The per-rank results of ``load``, once its ``save`` passed on every rank."""
+    results_of(launched, save)
+    return results_of(launched, load)
 
 
-def test_dim_sharded_checkpoint_loads_into_ddp_and_back(tmp_path):
-    _check_all_empty(run_distributed(_into_ddp, 3, _saved(tmp_path), timeout=120))
+def test_dim_sharded_checkpoint_loads_at_world_3_into_fully_shard(launched):
+    _check_fully_shard(_loaded(launched, "save", "fully_shard at 3"))
 
 
-def test_dim_sharded_checkpoint_loads_into_zero2_and_back(tmp_path):
-    results = run_distributed(_into_zero2, 3, _saved(tmp_path), timeout=120)
+def test_dim_sharded_checkpoint_loads_at_world_2_into_fully_shard(launched):
+    _check_fully_shard(_loaded(launched, "save", "fully_shard at 2"))
+
+
+def test_dim_sharded_checkpoint_loads_into_ddp_and_back(launched):
+    _check_all_empty(_loaded(launched, "save", "ddp at 3"))
+
+
+def test_dim_sharded_checkpoint_loads_into_zero2_and_back(launched):
+    results = _loaded(launched, "save", "zero2 at 3")
     _check_all_empty(results)
     assert "zero2 optim" in results[0]
 
 
-def test_dim_sharded_checkpoint_format(tmp_path, monkeypatch):
+def test_dim_sharded_checkpoint_format(launched, monkeypatch):
     """One box fragment per dim-sharded piece, ranges for Shard(0) ones; the manifests say
     version 3, which a fusedist reading up to version 2 counts as a newer format."""
     from fusedist.checkpoint import _files, layout
 
-    root = _saved(tmp_path)
+    results_of(launched, "save")
+    root = launched["roots"]["plain"]
     assert torch.load(os.path.join(root, "truth.pt"))["versions"] == [3, 3]
     shard = torch.load(os.path.join(root, "ckpt", "rank-00001.pt"))
     model, optim = shard["model_shard"], shard["optimizer_shard"]
@@ -329,18 +368,17 @@ def _check_fused(results):
             assert v == (names if k.endswith("master") else []), (k, out)
 
 
-def test_dim_sharded_fused_adamw_master_weights_at_world_3(tmp_path):
-    _check_fused(run_distributed(_fused_into, 3, _saved(tmp_path, fused=True), timeout=120))
+def test_dim_sharded_fused_adamw_master_weights_at_world_3(launched):
+    _check_fused(_loaded(launched, "save fused", "fused at 3"))
 
 
-def test_dim_sharded_fused_adamw_master_weights_at_world_2(tmp_path):
-    _check_fused(run_distributed(_fused_into, 2, _saved(tmp_path, fused=True), timeout=120))
+def test_dim_sharded_fused_adamw_master_weights_at_world_2(launched):
+    _check_fused(_loaded(launched, "save fused", "fused at 2"))
 
 
-def test_dim_sharded_checkpoint_saved_at_world_3_loads_at_world_2(tmp_path):
+def test_dim_sharded_checkpoint_saved_at_world_3_loads_at_world_2(launched):
     """Saved where a piece is empty (``skip``'s 4 columns at world 3: 2, 2, 0), loaded at 2."""
-    root = _saved(tmp_path, world=3)
-    _check_fully_shard(run_distributed(_into_fully_shard, 2, root, timeout=120))
+    _check_fully_shard(_loaded(launched, "save at 3", "fully_shard at 2 from 3"))
 
 
 def _hsdp(rank, ws, root):

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 import models
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of, under_env
 
 GLOBAL_ROWS = 6
 TINY_BUCKETS = dict(bucket_cap_mb=0.0001, first_bucket_cap_mb=0.00005)
@@ -126,8 +127,26 @@ def _resume_worker(rank, world_size, root):
     return out
 
 
-def test_resume_is_bitwise_for_zero_offload_half_precision_and_scaler(tmp_path):
-    results = run_distributed(_resume_worker, 2, str(tmp_path), timeout=240)
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The scenarios at world size 2 in one launch, then the load at world size 3 in another."""
+    roots = {name: str(tmp_path_factory.mktemp("ckpt")) for name in ("resume", "reshard", "disagreeing ranks")}
+    out = launch_phase(request, {
+        "test_resume_is_bitwise_for_zero_offload_half_precision_and_scaler": {
+            "resume": (_resume_worker, (roots["resume"],))},
+        "test_offloaded_zero_with_scaler_reshards_2_to_3": {
+            "reshard, before": (_reshard_worker, (roots["reshard"], "before"))},
+        "test_ranks_that_disagree_are_refused_on_every_rank": {"disagreeing ranks": (
+            under_env, ({"FUSEDIST_TIMEOUT_S": "20"}, _disagreeing_ranks_worker, roots["disagreeing ranks"]))},
+    }, 2, timeout=240)
+    out.update(launch_phase(request, {"test_offloaded_zero_with_scaler_reshards_2_to_3": {
+        "reshard, after": (_reshard_worker, (roots["reshard"], "after"))}}, 3, timeout=120))
+    out["roots"] = roots
+    return out
+
+
+def test_resume_is_bitwise_for_zero_offload_half_precision_and_scaler(launched):
+    results = results_of(launched, "resume")
     for rank, out in enumerate(results):
         for (name, save_at), ((ref_params, ref_scaler), (params, scaler)) in out.items():
             assert torch.equal(ref_params, params), (
@@ -161,11 +180,11 @@ def _reshard_worker(rank, world_size, root, phase):
     return out
 
 
-def test_offloaded_zero_with_scaler_reshards_2_to_3(tmp_path):
+def test_offloaded_zero_with_scaler_reshards_2_to_3(launched):
     """Same global batches at both sizes: only fp32 summation order differs (a lost moment,
     master or step count is of order lr = 1e-2); the scaler (which skipped a step) exactly."""
-    before = run_distributed(_reshard_worker, 2, str(tmp_path), "before", timeout=120)
-    after = run_distributed(_reshard_worker, 3, str(tmp_path), "after", timeout=120)
+    before = results_of(launched, "reshard, before")
+    after = results_of(launched, "reshard, after")
     for name, (params, scaler) in before[0].items():
         for rank, out in enumerate(after):
             torch.testing.assert_close(out[name][0], params, atol=1e-5, rtol=0,
@@ -371,10 +390,9 @@ def _disagreeing_ranks_worker(rank, world_size, root):
     return out
 
 
-def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path):
-    results = run_distributed(_disagreeing_ranks_worker, 2, str(tmp_path), timeout=120,
-                              env={"FUSEDIST_TIMEOUT_S": "20"})
-    root = str(tmp_path)
+def test_ranks_that_disagree_are_refused_on_every_rank(launched):
+    results = results_of(launched, "disagreeing ranks")
+    root = launched["roots"]["disagreeing ranks"]
     for rank, out in enumerate(results):
         kind, text, _ = out["save dirs"] or (None, "", 0)
         assert kind == "CheckpointError", (rank, out["save dirs"])

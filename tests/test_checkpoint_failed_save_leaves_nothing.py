@@ -11,12 +11,14 @@ import os
 import time
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import models
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 # A failure must be raised at once, not after a collective timed out: the timeout is long.
 SLOW_TIMEOUT = {"FUSEDIST_TIMEOUT_S": "30"}
@@ -99,8 +101,22 @@ def _plain_worker(rank, world_size, root):
     return out
 
 
-def test_a_failed_save_raises_on_every_rank_and_leaves_nothing_new(tmp_path):
-    results = run_distributed(_plain_worker, 2, str(tmp_path), env=SLOW_TIMEOUT, timeout=90)
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The failed saves of the plain, pipelined and Checkpointer tests in one launch (the killed
+    rank's test has its own: it ends a rank)."""
+    root = lambda: str(tmp_path_factory.mktemp("failed-save"))  # noqa: E731
+    return launch_for_selected(request, {
+        "test_a_failed_save_raises_on_every_rank_and_leaves_nothing_new": {"plain": (_plain_worker, (root(),))},
+        "test_a_failed_pipelined_save_raises_on_every_rank_and_leaves_nothing_new": {
+            "pipelined": (_pipelined_worker, (root(),))},
+        "test_a_failed_checkpointer_save_leaves_no_step_directory": {
+            "checkpointer": (_checkpointer_worker, (root(),))},
+    }, 2, timeout=120, env=SLOW_TIMEOUT)
+
+
+def test_a_failed_save_raises_on_every_rank_and_leaves_nothing_new(launched):
+    results = results_of(launched, "plain")
     for rank, out in enumerate(results):
         for case, fail_rank in (("fresh, full disk", 1), ("fresh, unpicklable extra", 0), ("fresh, hook", 1)):
             error, seconds, left = out[case]
@@ -143,8 +159,8 @@ def _pipelined_worker(rank, world_size, root):
     return out
 
 
-def test_a_failed_pipelined_save_raises_on_every_rank_and_leaves_nothing_new(tmp_path):
-    for rank, out in enumerate(run_distributed(_pipelined_worker, 2, str(tmp_path), env=SLOW_TIMEOUT, timeout=90)):
+def test_a_failed_pipelined_save_raises_on_every_rank_and_leaves_nothing_new(launched):
+    for rank, out in enumerate(results_of(launched, "pipelined")):
         for case in ("fresh, full disk", "fresh, hook"):
             error, seconds, left = out[case]
             assert error is not None and "rank 1 " in error and CAUSES[case.split(", ")[1]] in error, (rank, error)
@@ -193,8 +209,8 @@ def _checkpointer_worker(rank, world_size, root):
     return out
 
 
-def test_a_failed_checkpointer_save_leaves_no_step_directory(tmp_path):
-    results = run_distributed(_checkpointer_worker, 2, str(tmp_path), env=SLOW_TIMEOUT, timeout=90)
+def test_a_failed_checkpointer_save_leaves_no_step_directory(launched):
+    results = results_of(launched, "checkpointer")
     for rank, out in enumerate(results):
         for key in ((2, 1), (2, 0)):
             error, unchanged = out[key]

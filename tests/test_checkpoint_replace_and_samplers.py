@@ -32,6 +32,7 @@ from torch import nn
 
 import models
 from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -247,13 +248,24 @@ def _timed(fn):
     return None
 
 
-def test_a_full_disk_on_one_rank_fails_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The full disk and the data positions scenarios at 2 ranks in one launch."""
+    return launch_for_selected(request, {
+        "test_a_full_disk_on_one_rank_fails_every_rank_and_keeps_the_last_checkpoint": {
+            "full disk": (_full_disk_worker, (str(tmp_path_factory.mktemp("full-disk")),))},
+        "test_ranks_whose_elastic_positions_differ_are_refused_naming_them": {
+            "positions": (_positions_worker, (str(tmp_path_factory.mktemp("positions")),))},
+    }, 2, timeout=150, env={"FUSEDIST_TIMEOUT_S": "60"})
+
+
+def test_a_full_disk_on_one_rank_fails_every_rank_and_keeps_the_last_checkpoint(launched):
     """Rank 1's background writes hit a full disk: the rewrite of step 2 is raised on both
     ranks at the next wait, the save of step 4 at close(), within seconds (the collective
     timeout is 60 s), naming rank 1; with keep=1 the complete step-2 stays, and the old
     one -- not a half-written new one. With space again, a restart's rewrite of step 2
     replaces every rank's files."""
-    results = run_distributed(_full_disk_worker, 2, str(tmp_path), timeout=150, env={"FUSEDIST_TIMEOUT_S": "60"})
+    results = results_of(launched, "full disk")
     for rank, out in enumerate(results):
         for case, kept in (("rewrite", "complete checkpoint of that step written before is kept"),
                            ("close", "incomplete checkpoint is removed")):
@@ -302,14 +314,14 @@ def _positions_worker(rank, world_size, root):
     return out
 
 
-def test_ranks_whose_elastic_positions_differ_are_refused_naming_them(tmp_path):
+def test_ranks_whose_elastic_positions_differ_are_refused_naming_them(launched):
     """Only rank 0's ElasticDistributedSampler position was saved, whatever the others' was:
     a rank that missed an advance() resumed at rank 0's position, repeating or skipping
     samples silently. Now the save is refused on every rank, before anything is written,
     naming each rank's value (Note [one data position for the job]); so is a sampler missing
     on one rank; the save goes through once the positions agree. A restore whose sampler
     refuses the position on one rank (another seed) fails on every rank at once."""
-    results = run_distributed(_positions_worker, 2, str(tmp_path), timeout=150, env={"FUSEDIST_TIMEOUT_S": "60"})
+    results = results_of(launched, "positions")
     for rank, out in enumerate(results):
         kind, text, seconds = out["differ"] or (None, "", 0)
         assert kind == "CheckpointError", (rank, out["differ"])

@@ -3,10 +3,12 @@ fresh random inputs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 from models import LogitScaled  # a 0-dim learnable scale beside ordinary layers
 
 
@@ -60,26 +62,25 @@ def _scalar_reference(seed: int) -> dict:
     return ref.state_dict()
 
 
-def _scalar_resume(tmp_path, saving: str, world_size: int, phase: str) -> None:
-    seed = int(torch.randint(0, 10_000, ()).item())
-    run_distributed(_scalar_rank, 2, str(tmp_path), seed, saving, timeout=60)
-    got = run_distributed(_scalar_rank, world_size, str(tmp_path), seed, phase, timeout=60)[0]
-    for key, value in _scalar_reference(seed).items():
+def _scalar_resume(launched, test: str) -> None:
+    results_of(launched, f"{test}: save")
+    got = results_of(launched, f"{test}: load")[0]
+    for key, value in _scalar_reference(launched["seeds"][test]).items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6)
 
 
-def test_a_zero_dim_parameter_loads_into_fully_shard_at_another_world_size(tmp_path):
+def test_a_zero_dim_parameter_loads_into_fully_shard_at_another_world_size(launched):
     """A DDP checkpoint (torch's AdamW: the moments of a 0-dim parameter are 0-dim, like its
     step count) into fully_shard at 3 ranks: a load cloned them whole to the ranks whose piece
     of it is empty, and their next step failed ("output with shape [] doesn't match the
     broadcast shape [0]"; FusedAdamW: "state 'exp_avg' ... has shape (), the parameter (0,)")."""
-    _scalar_resume(tmp_path, "save_ddp", 3, "load")
+    _scalar_resume(launched, "test_a_zero_dim_parameter_loads_into_fully_shard_at_another_world_size")
 
 
-def test_a_fully_shard_checkpoint_with_a_zero_dim_parameter_continues_on_zero(tmp_path):
+def test_a_fully_shard_checkpoint_with_a_zero_dim_parameter_continues_on_zero(launched):
     """Saved as scalars, its moments reached ZeRO's flat shard as 0-dim tensors: "output with
     shape [] doesn't match the broadcast shape [12]" at the first step."""
-    _scalar_resume(tmp_path, "save", 1, "zero")
+    _scalar_resume(launched, "test_a_fully_shard_checkpoint_with_a_zero_dim_parameter_continues_on_zero")
 
 
 # ------------------------------------------------- objects registered on some ranks only
@@ -109,14 +110,38 @@ def _registering_rank(rank, world_size, root, which, phase):
         return str(exc)
 
 
-def test_objects_registered_on_some_ranks_only_are_refused_at_save(tmp_path):
+def test_objects_registered_on_some_ranks_only_are_refused_at_save(launched):
     """As fusedist.checkpoint.save refuses a scaler on some ranks only: the Checkpointer wrote
     rank 0's objects alone, and the restart passing the same objects on every rank could load
     none of its checkpoints ("holds no LR scheduler state" / "holds no GradScaler state")."""
     for which in ("lr_scheduler", "scaler"):
-        root = str(tmp_path / which)
-        saved = run_distributed(_registering_rank, 2, root, which, "save", timeout=60)
+        saved = results_of(launched, f"{which} on rank 1 only: save")
         for message in saved:  # refused on every rank, naming what differs
             assert isinstance(message, str), saved
             assert f"registered different objects at restore(): {which} is None on ranks [0]" in message, message
-        assert run_distributed(_registering_rank, 2, root, which, "load", timeout=60) == [0, 0]  # nothing written
+        assert results_of(launched, f"{which} on rank 1 only: load") == [0, 0]  # nothing written
+
+
+_ZERO_DIM_TESTS = {  # test: (how it saves at world size 2, how it loads, at which world size)
+    "test_a_zero_dim_parameter_loads_into_fully_shard_at_another_world_size": ("save_ddp", "load", 3),
+    "test_a_fully_shard_checkpoint_with_a_zero_dim_parameter_continues_on_zero": ("save", "zero", 1),
+}
+_REGISTERING_TEST = "test_objects_registered_on_some_ranks_only_are_refused_at_save"
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The saves (and the registering scenarios) at world size 2 in one launch, then each load at
+    its own world size."""
+    seeds = {test: int(torch.randint(0, 10_000, ()).item()) for test in _ZERO_DIM_TESTS}
+    roots = {name: str(tmp_path_factory.mktemp("ckpt")) for name in [*_ZERO_DIM_TESTS, "lr_scheduler", "scaler"]}
+    saves = {test: {f"{test}: save": (_scalar_rank, (roots[test], seeds[test], saving))}
+             for test, (saving, _, _) in _ZERO_DIM_TESTS.items()}
+    saves[_REGISTERING_TEST] = {f"{which} on rank 1 only: {phase}": (_registering_rank, (roots[which], which, phase))
+                                for which in ("lr_scheduler", "scaler") for phase in ("save", "load")}
+    out = launch_phase(request, saves, 2, timeout=120)
+    for test, (_, loading, world) in _ZERO_DIM_TESTS.items():
+        out.update(launch_phase(request, {test: {
+            f"{test}: load": (_scalar_rank, (roots[test], seeds[test], loading))}}, world, timeout=60))
+    out["seeds"] = seeds
+    return out

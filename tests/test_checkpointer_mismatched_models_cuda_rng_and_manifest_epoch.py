@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase, on_rank_0
+from shared_rank_launch import results_of
 
 ENV = {"FUSEDIST_TIMEOUT_S": "30"}
 
@@ -64,6 +65,37 @@ def _step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
 
 
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """Every test's saves, changes to their files and restores at world size 2 in one launch, then
+    the restores at world size 1 in another."""
+    epoch4, epoch2, three, cuda = (str(tmp_path_factory.mktemp(name) / "ckpt")
+                                   for name in ("epoch4", "epoch2", "three", "cuda"))
+    out = launch_phase(request, {
+        "test_the_epoch_at_another_world_size_comes_from_the_manifest": {
+            "save at epoch 4": (_save_mid_epoch, (epoch4, 4)),
+            "corrupt rank 0's file": (on_rank_0, (_corrupt_rank_0_file, epoch4))},
+        "test_an_older_checkpoint_without_the_epoch_in_its_manifest_still_gives_it": {
+            "save at epoch 2": (_save_mid_epoch, (epoch2, 2)),
+            "drop the epoch from the manifest": (on_rank_0, (_drop_the_epoch, epoch2))},
+        "test_a_model_of_another_architecture_is_refused_at_once": {
+            "save three": (_save_three, (three,)),
+            "restore other models": (_restore_other_models, (three,)),
+            "corrupt the newest common file": (on_rank_0, (_corrupt_the_newest_common_file, three)),
+            "restore over a corrupt newest": (_restore_over_a_corrupt_newest, (three,))},
+        "test_cuda_generator_states_are_left_out_where_cuda_is_missing": {
+            "save with CUDA generator states": (_save_with_cuda_generators, (cuda,)),
+            "restore without CUDA": (_restore_without_cuda, (cuda,))},
+    }, 2, timeout=120, env=ENV)
+    out.update(launch_phase(request, {
+        "test_the_epoch_at_another_world_size_comes_from_the_manifest": {
+            "restore at world size 1 over a corrupt rank-0 file": (_restore_elsewhere, (epoch4,))},
+        "test_an_older_checkpoint_without_the_epoch_in_its_manifest_still_gives_it": {
+            "restore at world size 1 without the epoch": (_restore_elsewhere, (epoch2,))},
+    }, 1, timeout=120, env=ENV))
+    return out
+
+
 def _save_mid_epoch(rank, world_size, root, epoch):
     from fusedist.checkpoint import Checkpointer
     from fusedist.checkpoint.resume import ResumableDistributedSampler
@@ -95,33 +127,41 @@ def _restore_elsewhere(rank, world_size, root):
     return step, list(sampler), _params(model)
 
 
-def test_the_epoch_at_another_world_size_comes_from_the_manifest(tmp_path):
-    root = str(tmp_path / "ckpt")
-    saved = run_distributed(_save_mid_epoch, 2, root, 4, env=ENV, timeout=120)[0]
+def _corrupt_rank_0_file(root):
+    """The old rank 0's file holds only its per-rank state, which a restore at world size 1 does not use."""
     path = _step_dir(root, 1)
-    manifest = _manifest(path)
-    torch_sampler = DistributedSampler(list(range(30)), num_replicas=1, rank=0, seed=11)
-    torch_sampler.set_epoch(4)
-    # The old rank 0's file holds only its per-rank state, which a restore at world size 1 does not use.
-    rank0 = os.path.join(path, manifest["files"]["rank-00000.pt"].get("file", "rank-00000.pt"))
+    rank0 = os.path.join(path, _manifest(path)["files"]["rank-00000.pt"].get("file", "rank-00000.pt"))
     with open(rank0, "r+b") as f:
         f.seek(os.path.getsize(rank0) // 2)
         f.write(b"\x00corrupt\x00")
-    [(step, order, params)] = run_distributed(_restore_elsewhere, 1, root, env=ENV, timeout=120)
+
+
+def _drop_the_epoch(root):
+    """The manifest as written before it held the epoch; the epoch it held."""
+    path = _step_dir(root, 1)
+    manifest = _manifest(path)
+    epoch = manifest["checkpointer"].pop("epoch", None)
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    return epoch
+
+
+def test_the_epoch_at_another_world_size_comes_from_the_manifest(launched):
+    saved = results_of(launched, "save at epoch 4")[0]
+    results_of(launched, "corrupt rank 0's file")
+    torch_sampler = DistributedSampler(list(range(30)), num_replicas=1, rank=0, seed=11)
+    torch_sampler.set_epoch(4)
+    [(step, order, params)] = results_of(launched, "restore at world size 1 over a corrupt rank-0 file")
     assert step == 1 and order == list(torch_sampler) and _same(params, saved), (step, order)
 
 
-def test_an_older_checkpoint_without_the_epoch_in_its_manifest_still_gives_it(tmp_path):
-    root = str(tmp_path / "ckpt")
-    run_distributed(_save_mid_epoch, 2, root, 2, env=ENV, timeout=120)
-    path = _step_dir(root, 1)
-    manifest = _manifest(path)
-    assert manifest["checkpointer"].pop("epoch") == 2, manifest["checkpointer"]  # as written before it was there
-    with open(os.path.join(path, "manifest.json"), "w") as f:
-        json.dump(manifest, f)
+def test_an_older_checkpoint_without_the_epoch_in_its_manifest_still_gives_it(launched):
+    results_of(launched, "save at epoch 2")
+    epoch = results_of(launched, "drop the epoch from the manifest")[0]
+    assert epoch == 2, epoch  # (the manifest held it)
     torch_sampler = DistributedSampler(list(range(30)), num_replicas=1, rank=0, seed=11)
     torch_sampler.set_epoch(2)
-    [(step, order, _)] = run_distributed(_restore_elsewhere, 1, root, env=ENV, timeout=120)
+    [(step, order, _)] = results_of(launched, "restore at world size 1 without the epoch")
     assert step == 1 and order == list(torch_sampler), order
 
 
@@ -196,10 +236,17 @@ def _restore_over_a_corrupt_newest(rank, world_size, root):
     return step, _params(model), [str(w.message) for w in caught if "trying the previous one" in str(w.message)]
 
 
-def test_a_model_of_another_architecture_is_refused_at_once(tmp_path):
-    root = str(tmp_path / "ckpt")
-    saved = run_distributed(_save_three, 2, root, env=ENV, timeout=120)[0]
-    for rank_out in run_distributed(_restore_other_models, 2, root, env=ENV, timeout=120):
+def _corrupt_the_newest_common_file(root):
+    path = _step_dir(root, 3)
+    common = os.path.join(path, _manifest(path)["files"]["common.pt"].get("file", "common.pt"))
+    with open(common, "r+b") as f:
+        f.seek(os.path.getsize(common) - 40)
+        f.write(b"\xff" * 8)
+
+
+def test_a_model_of_another_architecture_is_refused_at_once(launched):
+    saved = results_of(launched, "save three")[0]
+    for rank_out in results_of(launched, "restore other models"):
         for error, said, unchanged in rank_out[:2]:
             assert "'0.weight' has shape (8, 6)" in error and "the model's is (9, 6)" in error, error
             assert "step-00000003" in error and "step-00000002" not in error, error
@@ -213,12 +260,8 @@ def test_a_model_of_another_architecture_is_refused_at_once(tmp_path):
             assert expected in error and "step-00000003" in error and "step-00000002" not in error, error
             assert unchanged and not [w for w in said if "trying the previous one" in w], said
     # A corrupt file is not the user's: the previous checkpoint is restored, as documented.
-    path = _step_dir(root, 3)
-    common = os.path.join(path, _manifest(path)["files"]["common.pt"].get("file", "common.pt"))
-    with open(common, "r+b") as f:
-        f.seek(os.path.getsize(common) - 40)
-        f.write(b"\xff" * 8)
-    restored = run_distributed(_restore_over_a_corrupt_newest, 2, root, env=ENV, timeout=120)
+    results_of(launched, "corrupt the newest common file")
+    restored = results_of(launched, "restore over a corrupt newest")
     for step, params, _ in restored:
         assert step == 2 and _same(params, saved[1]), step
     said = restored[0][2]  # (rank 0 warns)
@@ -236,14 +279,17 @@ def _save_with_cuda_generators(rank, world_size, root):
         return state
 
     resume.capture_rng_state = as_on_a_gpu
-    model, opt = _model_and_opt(0)
-    ck = Checkpointer(root, every_steps=1, async_save=False)
-    ck.restore(model, opt)
-    _train(model, opt, rank, 0)
-    torch.manual_seed(40 + rank)
-    random.seed(50 + rank)
-    ck.save(1)
-    ck.close()
+    try:
+        model, opt = _model_and_opt(0)
+        ck = Checkpointer(root, every_steps=1, async_save=False)
+        ck.restore(model, opt)
+        _train(model, opt, rank, 0)
+        torch.manual_seed(40 + rank)
+        random.seed(50 + rank)
+        ck.save(1)
+        ck.close()
+    finally:
+        resume.capture_rng_state = captured  # (the next scenarios of the launch save as without a GPU)
     return _params(model), torch.rand(4), random.random()
 
 
@@ -272,10 +318,9 @@ def _restore_without_cuda(rank, world_size, root):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="restores CUDA generator states where CUDA is missing")
-def test_cuda_generator_states_are_left_out_where_cuda_is_missing(tmp_path):
-    root = str(tmp_path / "ckpt")
-    saved = run_distributed(_save_with_cuda_generators, 2, root, env=ENV, timeout=120)
-    restored = run_distributed(_restore_without_cuda, 2, root, env=ENV, timeout=120)
+def test_cuda_generator_states_are_left_out_where_cuda_is_missing(launched):
+    saved = results_of(launched, "save with CUDA generator states")
+    restored = results_of(launched, "restore without CUDA")
     for rank, ((params, rand, py), (step, got, (rand2, py2), said, kept)) in enumerate(zip(saved, restored)):
         assert step == 1 and _same(params, got), rank
         assert torch.equal(rand, rand2) and py == py2, rank  # the CPU and Python generators continue

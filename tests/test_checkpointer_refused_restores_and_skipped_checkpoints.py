@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 
 ENV = {"FUSEDIST_TIMEOUT_S": "30"}
 
@@ -110,8 +111,8 @@ def _refusals(rank, world_size, root):
     return out
 
 
-def test_a_refused_restore_changes_nothing_on_any_rank(tmp_path):
-    for out in run_distributed(_refusals, 2, str(tmp_path), env=ENV, timeout=120):
+def test_a_refused_restore_changes_nothing_on_any_rank(launched):
+    for out in results_of(launched, "refusals"):
         assert out[:4] == [(True, True, True)] * 4, out
         assert out[4:] == [(1, True, 1), (1, True, 1)], out
 
@@ -146,12 +147,11 @@ def _restore_elsewhere(rank, world_size, root):
     return step, list(sampler), [str(w.message) for w in caught if "data position" in str(w.message)]
 
 
-def test_a_per_rank_sampler_at_another_world_size_keeps_the_saved_epoch(tmp_path):
-    root = str(tmp_path / "ckpt")
-    run_distributed(_save_mid_epoch, 2, root, 3, env=ENV, timeout=120)
+def test_a_per_rank_sampler_at_another_world_size_keeps_the_saved_epoch(launched):
+    results_of(launched, "save at epoch 3")
     torch_sampler = DistributedSampler(list(range(30)), num_replicas=1, rank=0, seed=11)
     torch_sampler.set_epoch(3)
-    [(step, order, said)] = run_distributed(_restore_elsewhere, 1, root, env=ENV, timeout=120)
+    [(step, order, said)] = results_of(launched, "restore at world size 1")
     assert step == 1 and order == list(torch_sampler), order
     assert len(said) == 1 and "epoch 3 is restored" in said[0], said
 
@@ -180,9 +180,28 @@ def _corrupt_over_incomplete(rank, world_size, root):
     return str(info.value), [str(w.message) for w in caught if "skipping incomplete" in str(w.message)]
 
 
-def test_every_skipped_checkpoint_is_named_when_none_loads(tmp_path):
-    [(error, skipped)] = run_distributed(_corrupt_over_incomplete, 1, str(tmp_path / "ckpt"), env=ENV, timeout=120)
+def test_every_skipped_checkpoint_is_named_when_none_loads(launched):
+    [(error, skipped)] = results_of(launched, "corrupt over incomplete")
     assert "step 3" in error and "corrupt" in error, error
     for step in (1, 2):
         assert f"step {step} (" in error and f"step-{step:08d}" in error, error
         assert any(f"step-{step:08d} (step {step})" in w for w in skipped), skipped
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The scenarios at world size 2 in one launch, then those at world size 1 in another."""
+    refusals, epoch3, incomplete = (str(tmp_path_factory.mktemp(name) / "ckpt")
+                                    for name in ("refusals", "epoch3", "incomplete"))
+    out = launch_phase(request, {
+        "test_a_refused_restore_changes_nothing_on_any_rank": {"refusals": (_refusals, (refusals,))},
+        "test_a_per_rank_sampler_at_another_world_size_keeps_the_saved_epoch": {
+            "save at epoch 3": (_save_mid_epoch, (epoch3, 3))},
+    }, 2, timeout=120, env=ENV)
+    out.update(launch_phase(request, {
+        "test_a_per_rank_sampler_at_another_world_size_keeps_the_saved_epoch": {
+            "restore at world size 1": (_restore_elsewhere, (epoch3,))},
+        "test_every_skipped_checkpoint_is_named_when_none_loads": {
+            "corrupt over incomplete": (_corrupt_over_incomplete, (incomplete,))},
+    }, 1, timeout=120, env=ENV))
+    return out

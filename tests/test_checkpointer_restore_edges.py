@@ -20,7 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase, on_rank_0
+from shared_rank_launch import results_of
 
 ENV = {"FUSEDIST_TIMEOUT_S": "30"}
 
@@ -69,14 +70,17 @@ def _restore_after_corruption(rank, world_size, root):
     return torch.equal(before, _flat(model)), len(opt.state)
 
 
-def test_a_restore_that_fails_on_a_rank_file_changes_nothing(tmp_path):
-    root = str(tmp_path / "ckpt")
-    run_distributed(_save_two_steps, 2, root, env=ENV, timeout=120)
+def _corrupt_rank_1_file(root):
     path = os.path.join(root, "step-00000002", "rank-00001.pt")
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(path, "wb").write(bytes(data))
-    assert run_distributed(_restore_after_corruption, 2, root, env=ENV, timeout=120) == [(True, 0), (True, 0)]
+
+
+def test_a_restore_that_fails_on_a_rank_file_changes_nothing(launched):
+    results_of(launched, "save, to corrupt")
+    results_of(launched, "corrupt rank 1's file")
+    assert results_of(launched, "restore after corruption") == [(True, 0), (True, 0)]
 
 
 def _restore_resumable_sampler(rank, world_size, root):
@@ -92,10 +96,9 @@ def _restore_resumable_sampler(rank, world_size, root):
     return True
 
 
-def test_a_resumable_sampler_without_a_saved_position_is_refused(tmp_path):
-    root = str(tmp_path / "ckpt")
-    run_distributed(_save_two_steps, 2, root, env=ENV, timeout=120)
-    assert run_distributed(_restore_resumable_sampler, 2, root, env=ENV, timeout=120) == [True, True]
+def test_a_resumable_sampler_without_a_saved_position_is_refused(launched):
+    results_of(launched, "save, without a sampler")
+    assert results_of(launched, "restore a resumable sampler") == [True, True]
 
 
 def _restore_scheduler(rank, world_size, root):
@@ -112,9 +115,27 @@ def _restore_scheduler(rank, world_size, root):
     return type(sched.milestones).__name__, dict(sched.milestones), opt.param_groups[0]["lr"]
 
 
-def test_a_counter_in_a_saved_state_stays_a_counter(tmp_path):
-    root = str(tmp_path / "ckpt")
-    run_distributed(_save_two_steps, 2, root, True, env=ENV, timeout=120)
-    for kind, milestones, lr in run_distributed(_restore_scheduler, 2, root, env=ENV, timeout=120):
+def test_a_counter_in_a_saved_state_stays_a_counter(launched):
+    results_of(launched, "save with a scheduler")
+    for kind, milestones, lr in results_of(launched, "restore the scheduler"):
         assert kind == "Counter" and milestones == {2: 1, 4: 1}
         assert lr == pytest.approx(1e-2 * 0.25)
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """Every test's save, the change to its files and its restore, in one launch of 2 ranks."""
+    corrupt, sampler, counter = (str(tmp_path_factory.mktemp(name) / "ckpt") for name in ("corrupt", "sampler",
+                                                                                           "counter"))
+    return launch_phase(request, {
+        "test_a_restore_that_fails_on_a_rank_file_changes_nothing": {
+            "save, to corrupt": (_save_two_steps, (corrupt,)),
+            "corrupt rank 1's file": (on_rank_0, (_corrupt_rank_1_file, corrupt)),
+            "restore after corruption": (_restore_after_corruption, (corrupt,))},
+        "test_a_resumable_sampler_without_a_saved_position_is_refused": {
+            "save, without a sampler": (_save_two_steps, (sampler,)),
+            "restore a resumable sampler": (_restore_resumable_sampler, (sampler,))},
+        "test_a_counter_in_a_saved_state_stays_a_counter": {
+            "save with a scheduler": (_save_two_steps, (counter, True)),
+            "restore the scheduler": (_restore_scheduler, (counter,))},
+    }, 2, timeout=120, env=ENV)

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 import models
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 
 ENV = {"FUSEDIST_TIMEOUT_S": "30"}
 
@@ -97,8 +98,8 @@ def _other_objects_worker(rank, world_size, root):
     return out
 
 
-def test_a_sharded_model_or_optimizer_of_other_parameters_is_refused_at_once(tmp_path):
-    results = run_distributed(_other_objects_worker, 2, str(tmp_path), env=ENV, timeout=120)
+def test_a_sharded_model_or_optimizer_of_other_parameters_is_refused_at_once(launched):
+    results = results_of(launched, "other objects")
     for rank, out in enumerate(results):
         error, said, unchanged = out["sharded"]
         assert "is refused on rank 0" in error and "no older checkpoint is tried" in error, (rank, error)
@@ -135,8 +136,8 @@ def _pipelined_worker(rank, world_size, root):
     return out + (all(map(torch.equal, before, _params(wider))),)
 
 
-def test_pipelined_parts_of_other_shapes_are_refused_at_once(tmp_path):
-    results = run_distributed(_pipelined_worker, 2, str(tmp_path), env=ENV, timeout=120)
+def test_pipelined_parts_of_other_shapes_are_refused_at_once(launched):
+    results = results_of(launched, "pipelined")
     for rank, (error, said, unchanged) in enumerate(results):
         assert "is refused on rank 0" in error and "no older checkpoint is tried" in error, (rank, error)
         assert "'layers.0.weight' has shape (4, 4) in" in error and "the model's is (6, 6)" in error, (rank, error)
@@ -188,8 +189,8 @@ def _epochs_worker(rank, world_size, root):
     return out
 
 
-def test_ranks_in_different_epochs_are_refused_at_the_save_and_skipped_at_the_restore(tmp_path):
-    results = run_distributed(_epochs_worker, 2, str(tmp_path), env=ENV, timeout=120)
+def test_ranks_in_different_epochs_are_refused_at_the_save_and_skipped_at_the_restore(launched):
+    results = results_of(launched, "epochs")
     for rank, out in enumerate(results):
         assert "the sampler's epoch is 3 on ranks [0], 4 on ranks [1]" in out["refused"], (rank, out)
         assert "Nothing was written for step 2" in out["refused"] and not out["written"], (rank, out)
@@ -233,14 +234,48 @@ def _cuda_states_worker(rank, world_size, root, saved_devices, devices):
     return step, set_states, [s for s in said if "CUDA" in s], [str(w.message) for w in caught]
 
 
+def _torch_cuda_kept(rank, world_size, *args):
+    """:func:`_cuda_states_worker`, then torch.cuda's functions it replaced put back: the next
+    scenario of the launch sees the machine as it is."""
+    import fusedist.checkpoint.resume as resume
+
+    names = ("is_available", "device_count", "set_rng_state_all")
+    kept, captured = {name: getattr(torch.cuda, name) for name in names}, resume.capture_rng_state
+    try:
+        return _cuda_states_worker(rank, world_size, *args)
+    finally:
+        for name, fn in kept.items():
+            setattr(torch.cuda, name, fn)
+        resume.capture_rng_state = captured
+
+
+_CUDA_CASES = [(2, 1), (1, 2)]  # (saved devices, devices)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="simulates CUDA devices on the CPU")
-@pytest.mark.parametrize("saved_devices,devices", [(2, 1), (1, 2)])
-def test_cuda_generator_states_of_another_number_of_devices(tmp_path, saved_devices, devices):
-    [(step, set_states, said, low)] = run_distributed(_cuda_states_worker, 1, str(tmp_path), saved_devices, devices,
-                                                      env=ENV, timeout=120)
+@pytest.mark.parametrize("saved_devices,devices", _CUDA_CASES)
+def test_cuda_generator_states_of_another_number_of_devices(launched, saved_devices, devices):
+    [(step, set_states, said, low)] = results_of(launched, f"CUDA states of {saved_devices} devices on {devices}")
     both = min(saved_devices, devices)
     assert step == 1 and set_states == [[True] * both] * 2, (step, set_states)
     assert len(said) == 1 and f"holds the CUDA generator states of {saved_devices} device(s), this machine has " \
         f"{devices}" in said[0], said
     assert ("left out" if saved_devices > devices else "devices 1..1 keep their own") in said[0], said
     assert len(low) == (1 if saved_devices > devices else 0), low
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The scenarios at world size 2 in one launch, the CUDA cases at world size 1 in another."""
+    root = lambda: str(tmp_path_factory.mktemp("ckpt"))  # noqa: E731
+    out = launch_phase(request, {
+        "test_a_sharded_model_or_optimizer_of_other_parameters_is_refused_at_once": {
+            "other objects": (_other_objects_worker, (root(),))},
+        "test_pipelined_parts_of_other_shapes_are_refused_at_once": {"pipelined": (_pipelined_worker, (root(),))},
+        "test_ranks_in_different_epochs_are_refused_at_the_save_and_skipped_at_the_restore": {
+            "epochs": (_epochs_worker, (root(),))},
+    }, 2, timeout=120, env=ENV)
+    out.update(launch_phase(request, {"test_cuda_generator_states_of_another_number_of_devices": {
+        f"CUDA states of {saved} devices on {devices}": (_torch_cuda_kept, (root(), saved, devices))
+        for saved, devices in _CUDA_CASES}}, 1, timeout=120, env=ENV))
+    return out

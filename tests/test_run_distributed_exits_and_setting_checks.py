@@ -24,6 +24,7 @@ from fusedist import _extension
 from fusedist.optim import FusedAdamW
 from fusedist.optim import functional
 from fusedist.testing import DistributedRunError, run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 
 def _exits(rank, world_size, codes):
@@ -197,10 +198,22 @@ def _extra_layer_on_rank_1(rank, world_size):
     return None
 
 
-def test_a_layer_more_on_one_rank_is_named_not_read_as_a_settings_difference():
+@pytest.fixture(scope="module")
+def launched(request):
+    """The two tests whose ranks run to their end, in one launch (the others' ranks exit, die or
+    are refused before they start)."""
+    return launch_for_selected(request, {
+        "test_a_layer_more_on_one_rank_is_named_not_read_as_a_settings_difference": {
+            "extra layer": (_extra_layer_on_rank_1, ())},
+        "test_a_model_built_after_uninstall_publishes_crashes_again": {  # last: it uninstalls the hooks
+            "hooks after uninstall": (_hooks_after_uninstall, ())},
+    }, 2, timeout=60)
+
+
+def test_a_layer_more_on_one_rank_is_named_not_read_as_a_settings_difference(launched):
     """The first difference by position paired rank 1's extra parameter with rank 0's first
     setting entry; the message now also names what only some ranks hold."""
-    for text in run_distributed(_extra_layer_on_rank_1, 2, timeout=60):
+    for text in results_of(launched, "extra layer"):
         assert text is not None
         assert ("Not on every rank: ranks [1] hold param 'extra.weight' shape (2, 2) dtype torch.float32, "
                 "param 'extra.bias' shape (2,) dtype torch.float32.") in text, text
@@ -252,8 +265,8 @@ def _hooks_after_uninstall(rank, world_size):
     return first, _process_hooks.installed()
 
 
-def test_a_model_built_after_uninstall_publishes_crashes_again():
-    for first, again in run_distributed(_hooks_after_uninstall, 2, timeout=60):
+def test_a_model_built_after_uninstall_publishes_crashes_again(launched):
+    for first, again in results_of(launched, "hooks after uninstall"):
         for key in ("publish a crashed rank", "publish a rank's exit"):
             assert key in first and key in again, (first, again)
 

@@ -38,7 +38,7 @@ from .backward_stats import backward_stats
 from .strategy import AllReduceAverage, GradSyncStrategy
 from .trainable_rebucket import apply_change as apply_trainable_change
 from .static_graph import ArrivalCounts, check_all_arrived
-from .unused import mark_known_unused, raise_graph_changed, settle_unused, unused_without_find_unused
+from .unused import keep_local_grads, mark_known_unused, raise_graph_changed, settle_unused, unused_without_find_unused
 from .events import EngineObserver
 
 _perf_counter = time.perf_counter
@@ -497,6 +497,7 @@ class Reducer:
         if self.marked_unused:  # counted as the backward began (unused.py)
             unused = unused + [p for p in self.params if p in self.marked_unused]
             had_grad.update(dict.fromkeys(self.marked_unused, False))
+        kept = keep_local_grads(self, unused)  # Note [a gradient no rank produced]
         shadow = self.shadowing
         if shadow:  # Note [joined ranks]: this rank contributes zeros, whatever it holds
             had_grad = dict.fromkeys(missing, False)
@@ -547,7 +548,7 @@ class Reducer:
         if self.config.tolerates_unused:
             # Every rank, every synchronized iteration: a rank with nothing unused must still
             # take part in the used-map all-reduce (Note [unused parameters] in unused.py).
-            changed = settle_unused(self, unused, had_grad)
+            changed = settle_unused(self, unused, had_grad, kept)
         t_end = now_us()
         self.last_stats, first_launch = backward_stats(self, t_compute_end, t_end)
         self.timeline.span("exposed communication", max(t_compute_end, first_launch), t_end, tid=2)

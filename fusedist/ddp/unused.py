@@ -7,7 +7,8 @@ Note [unused parameters]
     counted, as the backward begins: Note [unused parameters known after the forward]). With
     ``find_unused_parameters=True`` a small used-map all-reduce (issued after all buckets, so
     the order stays the same on every rank) tells which parameters no rank used: those keep
-    ``grad=None``, as in torch. With it False the
+    ``grad=None``, as in torch, or the gradient each rank held (Note [a gradient no rank
+    produced]). With it False the
     rank raises after the collectives completed, naming the parameters, instead of leaving
     the other ranks to hang in the next step.
 
@@ -42,6 +43,22 @@ Note [unused parameters known after the forward]
     the forward) is reduced if its bucket has not launched yet; otherwise the used map tells
     every rank, and every rank raises, naming it, where torch's DDP fails too.
 
+Note [a gradient no rank produced]
+    A parameter no rank used in a synchronized backward may still hold a gradient: one left
+    from an earlier step without ``zero_grad``, or assigned by hand. Its slot takes it into the
+    bucket, as every slot must be written before the collective, and the all-reduce averages
+    it. torch's DDP copies the bucket back only into parameters some rank used, so each rank
+    keeps its own value, and so does this one: the locally unused parameters holding a
+    gradient (only those: the common path copies nothing) keep a copy of it before their
+    bucket launches (:func:`keep_local_grads`), put back once the used map says no rank used
+    them. A parameter used on some rank is averaged, the local stale gradient included, as in
+    torch. (torch's ``gradient_as_bucket_view=True`` averages in place the bucket its gradient
+    aliases, an accident of the aliasing its code says it means to avoid; fusedist's gradients
+    alias the bucket in every mode and keep the local value in every mode, as torch's default.)
+    Where a ZeRO stage-2 optimizer released the bucket there is no ``p.grad`` to put it back in:
+    its shard holds the average (torch's ZeroRedundancyOptimizer steps such a parameter with its
+    owner's own gradient).
+
 Note [the cost of the graph walk]
     torch walks the graph in C++; here it is Python, once per synchronized training forward,
     about two node visits per parameter tensor. Measured on a 1000-layer MLP of width 4 (2000
@@ -67,7 +84,15 @@ if TYPE_CHECKING:
     from .reducer import Reducer
 
 
-def settle_unused(reducer: "Reducer", unused: list, had_grad: dict) -> list:
+def keep_local_grads(reducer: "Reducer", unused: list) -> dict:
+    """Copies of the gradients the locally unused parameters hold, before their buckets average
+    them (Note [a gradient no rank produced]); none where nothing unused holds one."""
+    if not reducer.config.tolerates_unused or reducer.shadowing:
+        return {}
+    return {p: p.grad.detach().clone() for p in unused if p.grad is not None}
+
+
+def settle_unused(reducer: "Reducer", unused: list, had_grad: dict, kept: dict) -> list:
     """After the buckets finished: one all-reduce of the used map (once, with a static graph),
     then the parameters no rank used keep (or get back) ``grad=None`` and the others used
     elsewhere get their average. Returns the names of the parameters whose use differs from the
@@ -114,6 +139,8 @@ def settle_unused(reducer: "Reducer", unused: list, had_grad: dict) -> list:
             if not had_grad[p]:
                 p.grad = None
                 without_grad.append(p)
+            elif p in kept and p.grad is not None:  # Note [a gradient no rank produced]
+                p.grad.copy_(kept[p])
         else:
             used_elsewhere.append(p)
     # (a released bucket -- ZeRO stage 2 -- exposes no gradients: its shard holds them)

@@ -99,7 +99,8 @@ def check_rank_1_reads_that_rank_0_saves(errors: list) -> None:
     """Rank 0 saved a DDP model, whose step check is the save's first collective; rank 1 went on to
     its next backward. Both fail at the collective timeout (no hang), rank 0 saying that rank 1 did
     not join; rank 1's own error -- its bucket's -- says, in its stall report, that rank 0 is inside
-    fusedist.checkpoint.save (it showed rank 0 at a bare "ddp step check", inside check_consistency())."""
+    fusedist.checkpoint.save (it showed rank 0 at a bare "ddp step check", inside check_consistency()),
+    and that rank 0 is behind for being inside the save (it blamed rank 0 for a skipped backward)."""
     kind = "save of a DDP model"
     text0, text1 = errors[0][kind], errors[1][kind]
     assert text0 is not None and text1 is not None, errors
@@ -111,6 +112,11 @@ def check_rank_1_reads_that_rank_0_saves(errors: list) -> None:
     reached = "  ranks [0] reached all_reduce [fusedist.checkpoint.save: ddp step check]"
     assert any(line.startswith(reached) for line in last1), text1  # what rank 1 is told of rank 0
     assert any(line.startswith(reached) for line in last0), text0  # (and rank 0's own report alike)
+    # rank 0's fewer backwards are its save's, not a skipped backward (Note [peers inside a save] in stall_report.py)
+    saving = ("  ranks [0] are inside fusedist.checkpoint.save (waiting in its first collective) and ranks [1] are "
+              "not: a save is a collective, every rank of the group must call it")
+    assert any(line.startswith(saving) for line in last1), text1
+    assert not any("behind by" in line for line in last0 + last1), (text0, text1)
     timeout = float(SAVE_ALONE_ENV["FUSEDIST_TIMEOUT_S"])
     for rank_errors in errors:  # the timeout, then at most the stall report's window (2 s here)
         assert rank_errors[f"{kind} took"] < timeout + 2 + 4, rank_errors

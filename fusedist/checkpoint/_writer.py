@@ -21,7 +21,6 @@ import math
 import os
 import threading
 import time
-import uuid
 import weakref
 from typing import Callable, Optional
 
@@ -53,7 +52,9 @@ class Coordinator:
                 self.comm = get_communicator(self.group)
         else:
             self.rank, self.size, self.group, self.ranks = 0, 1, None, [0]
-        self._io = _IOWaits(self) if self.comm is not None else None
+        from ._io_rounds import IOWaits
+
+        self._io = IOWaits(self) if self.comm is not None else None
 
     @contextlib.contextmanager
     def io_round(self):
@@ -81,8 +82,15 @@ class Coordinator:
         else:
             self._io.wait("the save (its retention)")
             self.all_gather(None, "save finished")
+            self._io.left_together = True
         finally:
             self._io.stop()
+
+    def close(self) -> None:
+        """Remove the store keys of this Coordinator's saves that no rank reads any more (Note [the
+        keys a Checkpointer leaves at close]); not a collective, so each rank removes them alone."""
+        if self._io is not None:
+            self._io.close()
 
     def settle(self) -> None:
         """Before the next save's first exchange: wait until every rank has left a save given up
@@ -412,46 +420,6 @@ def io_barrier(name: str, rank: int, ranks: list, who: str = Coordinator.NAME,
     if store is None or len(ranks) < 2:
         return None
     return IOBarrier(store, name, rank, ranks, who, peer_silence(silence, who))
-
-
-class _IOWaits:
-    """The barriers of a :class:`Coordinator`'s saves, one :class:`IOBarrier` per save."""
-
-    def __init__(self, coord: Coordinator):
-        self.coord = coord
-        # One name per Checkpointer of this run: a store kept across restarts holds the keys of
-        # an earlier run's group of the same name, whose counts would end a barrier early.
-        nonce = coord.broadcast(uuid.uuid4().hex[:12] if coord.rank == 0 else None, "checkpoint I/O keys")
-        self.name = f"{getattr(coord.group, 'group_name', 'default')}-{nonce}"
-        self.round, self.barrier, self.previous = 0, None, None
-        self.unsettled = False  # the last save was given up on (Note [a save given up on])
-
-    def start(self) -> None:
-        """Number this save's round and renew this rank's beat until :meth:`stop`."""
-        self.round += 1
-        if self.previous is not None:  # every rank left the round before the last one: each ends at a barrier
-            self.previous.forget(self.previous.phase)
-        self.previous = self.barrier
-        self.barrier = io_barrier(f"{self.name}/{self.round}", self.coord.rank, self.coord.ranks,
-                                  silence=self.coord.silence)
-        if self.barrier is not None:
-            self.barrier.start_beat()
-
-    def stop(self) -> None:
-        if self.barrier is not None:
-            self.barrier.stop_beat()
-
-    def settle(self) -> None:
-        """Wait, at one more barrier of the save given up on, beating as its rounds do, for the
-        ranks still writing it; raised errors leave it unsettled, for the next save to retry."""
-        if not self.unsettled or self.barrier is None:
-            return
-        self.barrier.wait_beating("the save given up on before this one")
-        self.unsettled = False
-
-    def wait(self, what: str) -> None:
-        if self.barrier is not None:
-            self.barrier.wait(what)
 
 
 def stage_group(process_group) -> tuple:

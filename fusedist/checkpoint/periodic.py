@@ -240,6 +240,7 @@ class Checkpointer(ScheduleMixin, RestoreMixin, SnapshotMixin, PersistMixin):
         finally:
             _root_checks.release(self.directory, self)
             self._stop_heartbeat()
+            self._coord.close()  # Note [the keys a Checkpointer leaves at close] in _io_rounds.py
             if self.rank == 0 and self._lease is not None:
                 _owner.release(self.directory, self._lease)
                 self._lease = None

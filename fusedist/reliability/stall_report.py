@@ -418,6 +418,13 @@ def behind(entries: dict[int, dict], named: Optional[list] = None) -> list[str]:
     if unmatched:
         out.append(f"  {word} {unmatched} ran a training forward without its backward (a loss computed, then the "
                    "backward skipped on these ranks only)")
+    saving = sorted(shown[r] for r in rows if _inside_save(entries[r]))
+    if saving and len(saving) < len(rows):  # Note [peers inside a save]
+        others = sorted(shown[r] for r in rows if not _inside_save(entries[r]))
+        out.append(f"  {word} {saving} are inside fusedist.checkpoint.save (waiting in its first collective) and "
+                   f"{word} {others} are not: a save is a collective, every rank of the group must call it (not "
+                   "under `if rank == 0:`), at the same point of training")
+        return out
     for column, what in ((0, "backward(s)"), (1, "training forward(s)")):
         counts = {rank: row[column] for rank, row in rows.items()}
         low, high = min(counts.values()), max(counts.values())
@@ -431,6 +438,19 @@ def behind(entries: dict[int, dict], named: Optional[list] = None) -> list[str]:
             )
             break
     return out
+
+
+# Note [peers inside a save]
+#     A fusedist.checkpoint.save of a DDP model begins with the model's step check, tagged as inside
+#     the save (Note [a step check inside a save] in step_check.py). Where some ranks call the save and
+#     others go on training, the savers' backward counts are lower, and the report blamed them for a
+#     skipped backward; the tag says where they are: inside a save the others did not call.
+_SAVE_TAG = "fusedist.checkpoint.save: "
+
+
+def _inside_save(entry: dict) -> bool:
+    """Whether the rank of ``entry`` waits in a collective of a fusedist.checkpoint.save."""
+    return str((entry.get("waiting_on") or {}).get("tag") or "").startswith(_SAVE_TAG)
 
 
 def exchange(

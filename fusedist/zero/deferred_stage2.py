@@ -103,17 +103,25 @@ def complete_settled(zero) -> bool:
     model stopped reducing parameters frozen since the wrap) and it can (Note [stage 2 completed by
     add_param_group]); called first by whatever reads the gradients (the step, the scaler, a clip)."""
     pending = zero._stage2_pending
-    if pending is None or _missing(zero, pending) or refusal_to_complete(zero, []) is not None:
+    if pending is None or _missing(zero, pending) or _gradients_or_state_refusal(zero, pending) is not None:
         return False
     return complete_if_whole(zero)
 
 
-def refusal_to_complete(zero, new: list) -> Optional[ValueError]:
-    """The refusal of a group that completes the set when the optimizer state exists already
-    (Note [stage 2 completed by add_param_group]), or None."""
+def refusal_to_complete(zero, new: list) -> Optional[Exception]:
+    """The refusal of a group that completes the set (Note [stage 2 completed by add_param_group]),
+    or None: where the optimizer state exists already, after a no_sync backward, or where stage 2
+    cannot be installed on the model on this rank (a communication hook on it, a backward running:
+    Note [stage-2 refusals compared across ranks] in wiring.py). Found before the group joins, so
+    the group's comparison raises it on every rank at once, naming the refusing rank."""
     pending = zero._stage2_pending
     if pending is None or _missing(zero, pending, new):
         return None
+    return _gradients_or_state_refusal(zero, pending) or wiring.stage2_refusal(zero, pending.ddp)
+
+
+def _gradients_or_state_refusal(zero, pending: PendingStage2) -> Optional[ValueError]:
+    """Why this rank's gradients or optimizer state cannot go into the shards cut now, or None."""
     reducer = pending.ddp.reducer
     if reducer.generation != reducer.synced_generation:
         return ValueError(

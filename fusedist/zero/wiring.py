@@ -214,25 +214,29 @@ def dropped_wrapper(params) -> bool:
 #     changes: :func:`stage2_refusal`) and is an entry of the constructor's comparison (Note
 #     [refusals of one rank's own arguments] in param_checks.py): every rank raises at once, the
 #     same RankMismatchError naming the refusing rank and its reason where the ranks differ, each
-#     its own error, naming its rank, where all refuse alike.
-def stage2_refusal(zero) -> Optional[Exception]:
-    """Why stage 2 cannot be installed on ``zero``'s DDP model on this rank, or None (Note [stage-2
-    refusals compared across ranks]); changes nothing."""
-    if zero.ddp is None and dropped_wrapper(zero._params):  # Note [a dropped wrapper]
+#     its own error, naming its rank, where all refuse alike. A stage 2 that ``add_param_group``
+#     completes (Note [stage 2 completed by add_param_group] in deferred_stage2.py) finds the same
+#     refusal for its pending model before the group joins, and the group's comparison carries it.
+def stage2_refusal(zero, ddp=None) -> Optional[Exception]:
+    """Why stage 2 cannot be installed on ``ddp`` (default ``zero``'s DDP model) on this rank, or None
+    (Note [stage-2 refusals compared across ranks]); changes nothing. ``ddp``: the model of a stage 2
+    that ``add_param_group`` completes (Note [stage 2 completed by add_param_group])."""
+    ddp = zero.ddp if ddp is None else ddp
+    if ddp is None and dropped_wrapper(zero._params):  # Note [a dropped wrapper]
         return ValueError(
             f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): the fusedist.DistributedDataParallel wrapper "
             "of these parameters was dropped: nothing kept a reference to it, so it was freed and its backward "
             f"hooks, which reduce-scatter the gradients, came off. {DROPPED_WRAPPER_ADVICE}; or use stage=1.")
-    if zero.ddp is None:
+    if ddp is None:
         return ValueError(
             f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): needs the parameters of a "
             "fusedist.DistributedDataParallel model: gradients are reduce-scattered by its backward hooks. Wrap "
             "the model, or use stage=1.")
-    reducer = zero.ddp.reducer
+    reducer = ddp.reducer
     if reducer.in_backward:
-        return RuntimeError(f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): constructed during a backward "
-                            "pass; the gradient synchronization cannot change during a backward pass. Build the "
-                            "optimizer between backward passes")
+        return RuntimeError(f"ZeroRedundancyOptimizer(stage=2) (rank {zero.rank}): constructed (or completed by "
+                            "add_param_group) during a backward pass; the gradient synchronization cannot change "
+                            "during a backward pass. Build the optimizer, or add the group, between backward passes")
     if isinstance(reducer.strategy, ReduceScatterToShard):
         old = reducer.strategy.zero
         if old is not zero and old._grads_present:

@@ -19,7 +19,10 @@
   the same stages as the unpipelined model.
 - Note [a batch smaller than n_microbatches] (fusedist/pipelining/small_batch.py): a batch of 2 rows for 4
   micro-batches raised in torch's split on the first and last ranks, and the middle rank waited for the
-  timeout. Now every rank raises at once, naming the rows, the count and the stage that took the batch.
+  timeout. Now every rank raises at once, naming the rows, the count and the stage that took the batch; the next
+  step's refusal says every rank raised that step (it said the peers were left waiting) and that new stages over
+  the same modules work, which they do (Note [a refusal after a failure every rank raised] in
+  fusedist/pipelining/step_failures.py).
 
 Tolerances: fp32 gradients of micro-batch means summed in another order, 1e-6; a mispairing moves them by
 1e-2 or more. The process group's timeout is 30 s here; prompt means under 5 s.
@@ -317,14 +320,16 @@ def test_stage_counts_or_indices_that_differ_across_ranks_fail_every_rank_at_onc
 def _short_batch_worker(rank, world, seed, schedule_name, static, good_steps, short, evaluate):
     """After ``good_steps`` good steps, a step whose batch has 2 rows for 4 micro-batches (``short``: "both"
     the inputs and the target, or only the "target"; "empty ...": no rows; "spec ...": the schedule built with
-    an args_chunk_spec): what each rank raised and in how many seconds, whether an all_reduce works, and a fresh
-    pipeline's difference from the unpipelined model."""
+    an args_chunk_spec): what each rank raised and in how many seconds, whether an all_reduce works, what the
+    next step on the schedule and a new schedule over the same stage raise, and the difference from the
+    unpipelined model of a step of new stages over the same modules."""
+    from torch.distributed import pipelining
     from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
     torch.manual_seed(seed)
     module = _Stage()
     spec = {"args_chunk_spec": (TensorChunkSpec(0),)} if short.startswith("spec") else {}
-    _, schedule = _pipeline(rank, world, module, schedule_name, MICRO_BATCHES, static, **spec)
+    stage, schedule = _pipeline(rank, world, module, schedule_name, MICRO_BATCHES, static, **spec)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
     for _ in range(good_steps):
         _step(schedule, rank, world, x, y)
@@ -336,7 +341,25 @@ def _short_batch_worker(rank, world, seed, schedule_name, static, good_steps, sh
     seconds = time.monotonic() - began
     total = torch.ones(1)
     torch.distributed.all_reduce(total)
-    return raised, seconds, float(total), _good_step_difference(rank, world, seed, schedule_name, static)
+    again = _refused(lambda: _step(schedule, rank, world, x, y))  # (refused before any message)
+    renewed = getattr(pipelining, schedule_name)(stage, n_microbatches=MICRO_BATCHES, loss_fn=_mse)
+    same_stage = _refused(lambda: _step(renewed, rank, world, x, y))
+    resumed = _resumed_difference(rank, world, seed, schedule_name, module)
+    return raised, seconds, float(total), again, same_stage, resumed
+
+
+def _resumed_difference(rank, world, seed, schedule_name, module):
+    """New stages over the same modules (the same weights on every rank: built from one seed) and a new
+    schedule: one step's largest gradient difference from the unpipelined model's."""
+    whole = nn.Sequential(*[copy.deepcopy(module) for _ in range(world)])
+    module.zero_grad()
+    _, schedule = _pipeline(rank, world, module, schedule_name, MICRO_BATCHES, False)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+    _step(schedule, rank, world, x, y)
+    whole.zero_grad()
+    _mse(whole(x), y).backward()
+    return max(float((p.grad - q.grad).abs().max()) for p, q in zip(module.parameters(), whole[rank].parameters()))
 
 
 # (schedule, shapes given, good steps before, what is short, eval step): the first step's notices (shapes given,
@@ -351,16 +374,18 @@ def test_a_batch_smaller_than_n_microbatches_fails_every_rank_at_once(case, laun
     """Note [a batch smaller than n_microbatches] (fusedist/pipelining/small_batch.py): torch's split raised on
     the first and last ranks before any message and the middle rank waited for the group's timeout (30 s
     here). Every rank raises within 5 s the same message naming the rows, n_microbatches and the stage (with
-    its rank) that took the batch; the group works, and a fresh pipeline on it gives the unpipelined model's
-    gradients (fp32: 1e-6). Note [a target of no rows]: after a good step, a target of no rows (torch's
+    its rank) that took the batch; the group works, and new stages over the same modules give the unpipelined
+    model's gradients (fp32: 1e-6), as the refusal of the next step (and of a new schedule over the old stage)
+    says (it said the peers were left waiting).
+    Note [a target of no rows]: after a good step, a target of no rows (torch's
     split asserted on the last rank alone, with torch's stage too, and the others waited for the timeout) is
     refused alike. Note [inputs split along chunk specs]: with an args_chunk_spec torch's split handed back 2
     micro-batches, and the schedule's count check raised on rank 0 alone; refused alike."""
-    _, _, _, short, _ = case
+    _, static, good_steps, short, evaluate = case
     rows = 0 if short.startswith("empty") else 2
     results = results_of(launched, "short " + " ".join(map(str, case)))
     assert len({raised for raised, *_ in results}) == 1, results
-    for rank, (raised, seconds, total, diff) in enumerate(results):
+    for rank, (raised, seconds, total, again, same_stage, diff) in enumerate(results):
         if short.startswith("spec"):
             assert "stage 0 (rank 0 of the pipeline's group): torch's split of the step's inputs along the " \
                 "schedule's chunk specs gave 2 micro-batches, not n_microbatches=4" in str(raised) or (
@@ -374,6 +399,19 @@ def test_a_batch_smaller_than_n_microbatches_fails_every_rank_at_once(case, laun
                 "stage 2 (rank 2 of the pipeline's group): the step's target" in raised), raised
         assert seconds < 5 and total == 3, (rank, seconds, total)
         assert diff < 1e-6, (launched["seed"], rank, diff)
+        # Note [a refusal after a failure every rank raised] (fusedist/pipelining/step_failures.py): the next step
+        # said the peers "were left waiting"; every rank raised the same step, and new stages over the same modules
+        # work (above), while a new schedule over the old stage is refused too. A step that infers the shapes (the
+        # first, an eval after training) fails in the inference, which leaves nothing (Note [a step that raised]
+        # in fusedist/pipelining/step_failures.py): the next step runs.
+        if not static and (good_steps == 0 or evaluate):
+            assert again is None and same_stage is None, (rank, again, same_stage)
+            continue
+        for refusal in (again, same_stage):
+            assert "Every rank of the pipeline raised that step's failure at once" in str(refusal), (rank, refusal)
+            assert "refuses every later step" in refusal, (rank, refusal)
+            assert "build new PipelineStage objects over the same modules" in refusal, (rank, refusal)
+            assert "left waiting" not in refusal, (rank, refusal)
 
 
 @pytest.fixture(scope="module")

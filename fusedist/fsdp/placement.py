@@ -1,8 +1,12 @@
 """The dim ``shard_placement_fn`` shards each parameter on, checked before anything changes.
 
 FSDP2's contract: ``shard_placement_fn(param)`` returns ``Shard(dim)`` or None (the default,
-``Shard(0)``); a negative dim counts from the end. fusedist lays out dim 0 as always and
-other dims as in Note [dim-sharded sections] (chunk_layout.py).
+``Shard(0)``); a negative dim counts from the end. Anything else is refused, as FSDP2 refuses it
+(``ValueError: Invalid shard_placement_fn result``): ``_StridedShard`` included, which FSDP2 builds
+itself for a parameter tensor parallelism shards on the same dim, and which in torch 2.13 is no
+``Shard`` (the exact type is compared all the same: a subclass would carry a layout Shard(dim) is
+not). fusedist lays out dim 0 as always and other dims as in Note [dim-sharded sections]
+(chunk_layout.py).
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ def shard_dim(param, fqn: str, shard_placement_fn: Optional[Callable], where: st
     if type(placement) is not Shard:
         raise NotImplementedError(
             f"fusedist.fully_shard({where}): shard_placement_fn returned {placement!r} for '{fqn}' (shape "
-            f"{tuple(param.shape)}); only Shard(dim) or None is supported, as in torch's FSDP2.")
+            f"{tuple(param.shape)}); only Shard(dim) or None is supported, as in torch's FSDP2 (which refuses "
+            "anything else, _StridedShard included: 'Invalid shard_placement_fn result'). Return Shard(dim); "
+            "for a parameter tensor parallelism already shards, distribute it before fully_shard, which then "
+            "lays it out as FSDP2 does.")
     ndim = param.dim()
     if ndim == 0 and placement.dim in (0, -1):
         return 0  # (one element: never cut, Note [row-aligned flat layout])

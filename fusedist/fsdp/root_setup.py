@@ -16,13 +16,22 @@ __all__ = ["check_materialized", "set_up_root"]
 
 def check_materialized(root) -> None:
     """Before the first forward sets up ``root`` (a ``FullyShardState``): every unit below holds
-    data (a unit built on meta raises, naming itself, before any bookkeeping or collective)."""
+    data (a unit built on meta raises, naming itself, before any bookkeeping or collective). The
+    units are named from the root first, so the message names the root's own unit as every other
+    does ("the root module (Net)", Note [unit paths follow the module] in tree_names.py); only when
+    one is refused, so a forward that goes on is named by ``set_up_root`` alone."""
     from .state import state_of
 
+    states = []
     for m in (sub for member in root.modules for sub in member.modules()):
         st = state_of(m)
-        if st is not None and st.unit is not None:
-            st.unit.check_materialized()
+        if st is not None and st.unit is not None and st not in states:
+            states.append(st)
+    if not any(st.unit.is_meta for st in states):
+        return
+    name_units(states, {id(m): n for member in root.modules for n, m in member.named_modules()})
+    for st in states:
+        st.unit.check_materialized()
 
 
 def set_up_root(root) -> None:

@@ -2,13 +2,17 @@
 with the same parameters (names, shapes, trainable flags, dtypes), the same mesh, the same
 ``reshard_after_forward``. A rank that differs would otherwise wait in a collective its peers
 never issue; here every rank raises the same :class:`fusedist.RankMismatchError` naming the
-first unit that differs and each rank's version of it."""
+first unit that differs and each rank's version of it. The FUSEDIST_* settings that decide which
+collectives a step runs are compared too: a program that made its group with torch's own
+``init_process_group`` never ran ``init_distributed``'s check of them (Note [settings that must agree]
+in fusedist/reliability/settings_agreement.py), and ranks that differ paired their collectives wrongly."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .._consistency import check_same_across_ranks
+from ..reliability.settings_agreement import must_agree_readings
 from .tree_names import unit_where
 
 __all__ = ["check_one_mesh", "check_wrapping"]
@@ -24,8 +28,10 @@ def check_wrapping(named_units: list) -> list:
     # (or another 2-D one) is reported here, before an all-reduce the peer never issues hangs;
     # and each unit's reshard after forward, which decides which collectives its next gather
     # runs, over which ranks (Note [resharding to a smaller group after forward] in post_forward.py)
-    checked = [(_MESH, _mesh_entry(units[0]))] + [
-        (path, params, _reshard_entry(u)) for (path, params), u in zip(signature, units)]
+    # and the settings that decide the collectives, before the units (whose count may differ: a unit extra on one
+    # rank then meets no setting in the comparison by position)
+    checked = [(_MESH, _mesh_entry(units[0]))] + [(_SETTING, name, value) for name, value in must_agree_readings()]
+    checked += [(path, params, _reshard_entry(u)) for (path, params), u in zip(signature, units)]
     replicate = units[0].replicate_comm
     # (the shard group's exchange is named as on a 1-D mesh, so a peer given the other kind of
     # mesh meets it and the difference is reported by content)
@@ -37,7 +43,7 @@ def check_wrapping(named_units: list) -> list:
                 comm=comm, op=f"fully_shard: wrapping check{over}",
                 hint="Every rank must apply fully_shard to the same modules, in the same order, on the same "
                      "model, with the same mesh (a 2-D mesh on every rank for HSDP) and the same "
-                     "reshard_after_forward.")
+                     "reshard_after_forward, and the same FUSEDIST_* settings.")
     return signature
 
 
@@ -65,6 +71,8 @@ def _unit_params(unit) -> list:
 
 #: the wrapping check's first entry: the mesh's data-parallel shape (replicas, shard size)
 _MESH = "<mesh>"
+#: its next entries: each FUSEDIST_* setting that must agree across ranks, with this rank's reading
+_SETTING = "<setting>"
 
 
 def _mesh_entry(unit) -> tuple:
@@ -81,6 +89,8 @@ def _describe_unit(entry: Any) -> str:
     if entry[0] == _MESH:
         kind, replicas, size = entry[1]
         return f"a {kind} mesh: {replicas} replica(s) x {size} shards"
+    if entry[0] == _SETTING:
+        return f"the setting {entry[1]}={entry[2]}"
     name, params, reshard = entry
     shown = ", ".join(f"{f} {tuple(s)}" for f, s in params[:4])
     more = f", ... ({len(params)} parameters)" if len(params) > 4 else ""

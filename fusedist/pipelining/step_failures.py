@@ -71,6 +71,19 @@ Note [the buffers a failed step puts back]
     case's cost); a buffer no forward changes is copied once, when first seen (in host memory for one on an
     accelerator), and never again while its version stays. Not taken where no failure is told
     (``FUSEDIST_CHECKS=0``, a schedule the exchange does not arm): such a step's buffers stay as it left them.
+
+Note [a refusal after a failure every rank raised]
+    The refusal of a pipeline over several ranks said the other ranks "were left waiting" on the failed
+    step's messages. Where the failure was told to every rank -- the notices of a first send (inference.py,
+    notice_back.py), the exchange at the step's end (step_status.py): a batch smaller than
+    ``n_microbatches`` is refused so on every rank at once (Note [a batch smaller than n_microbatches] in
+    small_batch.py) -- no rank was left waiting: every rank raised the same step's failure, its messages
+    were all matched, and the buffers (and a stage module no one reduces, its gradients) were put back. Such
+    a step is marked where it is told (``told_every_rank``), and its refusal says so and what works: new
+    ``PipelineStage`` objects over the same modules and a new schedule, on every rank (a new schedule over
+    the old stage is refused as well: the refusal stays with the stage), or a restart from the last
+    checkpoint; where the step's backward passes left sums that cannot be put back (a DDP or ``fully_shard``
+    stage module, a step under the user's own sync switch), the restart only.
 """
 
 from __future__ import annotations
@@ -87,6 +100,7 @@ class Step:
         self.forwards, self.backwards, self.ended = 0, 0, False
         self.held_over, self.unset, self.buffers = False, [], None
         self.set_aside, self.ended_buffers = None, None  # (Note [a stage that ended in a step that raised])
+        self.told = False  # (Note [a refusal after a failure every rank raised])
 
     def end(self) -> None:
         """The step's messages are all exchanged (a forward-only step's last forward ran)."""
@@ -100,6 +114,14 @@ class Step:
         parameters without a gradient."""
         self.held_over = held_over
         self.unset = [p for p in module.parameters() if p.grad is None]
+
+
+def told_every_rank(stage) -> None:
+    """The stage's failed step was raised on every rank of the pipeline at once, its messages all matched
+    (Note [a refusal after a failure every rank raised])."""
+    step = getattr(stage, "_step", None)
+    if step is not None:
+        step.told = True
 
 
 def last_schedule(stage):
@@ -181,6 +203,18 @@ def _refusal(stage, step, plain: bool) -> str:
         head = (f"fusedist.pipelining.PipelineStage: stage {stage.stage_index} (rank {torch.distributed.get_rank()}): "
                 "the previous step raised at another stage of this rank after this stage's part of it had ended "
                 f"({step.forwards} forwards and {step.backwards} backward passes, its gradients reduced)")
+    if stage.group_size > 1 and step.told:  # Note [a refusal after a failure every rank raised]
+        kept = bool(step.backwards) and (step.held_over or not plain)
+        return (
+            f"{head}. Every rank of the pipeline raised that step's failure at once and its messages were all "
+            "matched; still, this rank refuses every later step on this stage (a step that raised is never "
+            "resumed, under a new schedule neither). " + (
+                f"Its backward passes left {_kept_sums(stage, plain)} that cannot be put back: fix what raised "
+                "and restart every rank from the last checkpoint" if kept else
+                "The stage module's buffers and gradients are as the step found them and the process group "
+                "stays usable: fix what raised (a batch smaller than n_microbatches: drop_last=True), then build "
+                "new PipelineStage objects over the same modules and a new schedule on every rank, or restart "
+                "every rank from the last checkpoint"))
     if stage.group_size > 1:
         return (
             f"{head}. The pipeline's other ranks were left waiting on that step's messages (or sent ones "
@@ -188,16 +222,20 @@ def _refusal(stage, step, plain: bool) -> str:
             "micro-batches' and another step's targets, silently. So this rank refuses every later step, and "
             "the other ranks' steps fail too (at once if this process ends, else at the process group's "
             "timeout). Fix what raised and restart every rank from the last checkpoint")
+    why = _kept_sums(stage, plain)
     if plain:
-        why, fix = ("an earlier step's gradients set aside under the user's own gradient-sync switch",
-                    "zero the gradients and build the stages and the schedule anew (or restart from the last "
+        fix = ("zero the gradients and build the stages and the schedule anew (or restart from the last "
                     "checkpoint)")
     else:
-        why, fix = (f"the unreduced sums a {type(stage.submod).__name__} stage module keeps",
-                    "restart from the last checkpoint (the sums stay with the module)")
+        fix = "restart from the last checkpoint (the sums stay with the module)"
     return (
         f"{head}: its backward passes accumulated part of that step's gradients, and {why} cannot be put back "
         f"as the step found them. So every later step is refused: {fix}")
+
+
+def _kept_sums(stage, plain: bool) -> str:
+    return ("an earlier step's gradients set aside under the user's own gradient-sync switch" if plain else
+            f"the unreduced sums a {type(stage.submod).__name__} stage module keeps")
 
 
 def kept_buffers(stage) -> "BufferKeeper":

@@ -118,7 +118,7 @@ import torch.distributed as dist
 from .inference import (
     _FAILED, NOTICE_BYTES, NOTICE_WAIT_S, _notice, failure_message, notice_failure, notice_send_ops)
 from .notice_back import back_send_ops
-from .step_failures import last_schedule, put_back_gradients
+from .step_failures import last_schedule, put_back_gradients, told_every_rank
 from .told_peers import count_failed_step, count_published, with_the_failure_told_before
 from ..reliability import failed_elsewhere
 
@@ -257,6 +257,7 @@ def put_back(stage) -> None:
     gradients back too (one fusedist or torch reduces keeps its sums, as does a step accumulating under the
     user's own switch: Note [a step that raised] there)."""
     step = getattr(stage, "_step", None)
+    told_every_rank(stage)  # Note [a refusal after a failure every rank raised] (step_failures.py)
     put_back_buffers(stage)
     if step is not None and step.backwards and getattr(stage, "_plain_stage", False) and not step.held_over:
         put_back_gradients(stage, step)
@@ -275,6 +276,7 @@ def publish_first_step_failure(stage, message: str) -> None:
     """Before a rank raises a failure told by the first step's notices (or its own shape inference's, on a
     one-rank pipeline): the message published to its data-parallel peers, once a step (Note [a first-step
     failure told to the data-parallel peers])."""
+    told_every_rank(stage)  # Note [a refusal after a failure every rank raised] (step_failures.py)
     if stage.group_size > 1 or not getattr(stage, "_status_told", True):  # (one rank: a scheduled step)
         publish_failure(stage, message)
 

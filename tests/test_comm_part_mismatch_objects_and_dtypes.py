@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of, under_env
 
 
 def _parts_that_differ(rank, world_size, kind):
@@ -110,10 +112,10 @@ def _unpicklable_on_one_rank(rank, world_size):
     return out
 
 
-def test_an_object_that_does_not_pickle_on_one_rank_raises_on_every_rank_at_once():
+def test_an_object_that_does_not_pickle_on_one_rank_raises_on_every_rank_at_once(launched):
     """The rank whose pickling failed raised before the header exchange: the others waited for
     it (its next exchange then paired with their header as a different exchange)."""
-    results = run_distributed(_unpicklable_on_one_rank, 2, env={"FUSEDIST_TIMEOUT_S": "20"})
+    results = results_of(launched, "unpicklable on one rank")
     values = [results[r]["all_gather_object"][2][r] for r in range(2)]
     for rank, out in enumerate(results):
         for name, (first, elapsed, after) in out.items():
@@ -141,13 +143,25 @@ def _parameter_all_reduce(rank, world_size):
     return out
 
 
-def test_small_all_reduce_of_a_parameter_writes_it_as_torch_does():
+def test_small_all_reduce_of_a_parameter_writes_it_as_torch_does(launched):
     """The small all-reduce copied its result into the tensor under autograd: a parameter
     outside no_grad failed after the exchange ("a view of a leaf Variable that requires grad
     is being used in an in-place operation") where torch's all-reduce writes it."""
-    for out in run_distributed(_parameter_all_reduce, 2):
+    for out in results_of(launched, "parameter all-reduce"):
         for op, (ours, theirs) in out.items():
             assert torch.equal(ours, theirs), op
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The scenarios that leave the group in step, in one launch (those that time out a
+    collective on purpose keep a launch each: their ranks' exchanges no longer pair after)."""
+    return launch_phase(request, {
+        "test_small_all_reduce_of_a_parameter_writes_it_as_torch_does": {
+            "parameter all-reduce": (_parameter_all_reduce, ())},
+        "test_an_object_that_does_not_pickle_on_one_rank_raises_on_every_rank_at_once": {
+            "unpicklable on one rank": (under_env, ({"FUSEDIST_TIMEOUT_S": "20"}, _unpicklable_on_one_rank))},
+    }, 2, timeout=120)
 
 
 class _RecordingNccl:

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
 import models
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 
 INF = float("inf")
 ORDERS = [0.0, 1.0, 2.0, 3.5, INF, -INF, -1.5]
@@ -110,8 +112,8 @@ def _every_order_worker(rank, ws):
     assert not bad, bad
 
 
-def test_every_norm_order_matches_torch_on_1d_and_hsdp_meshes():
-    run_distributed(_every_order_worker, 4, timeout=120)
+def test_every_norm_order_matches_torch_on_1d_and_hsdp_meshes(at_4):
+    results_of(at_4, "every order")
 
 
 def _nonfinite_worker(rank, ws):
@@ -139,8 +141,8 @@ def _nonfinite_worker(rank, ws):
     assert not bad, bad
 
 
-def test_error_if_nonfinite_raises_where_torch_does_for_every_order():
-    run_distributed(_nonfinite_worker, 3, timeout=120)
+def test_error_if_nonfinite_raises_where_torch_does_for_every_order(at_3):
+    results_of(at_3, "nonfinite")
 
 
 def _fp64_worker(rank, ws):
@@ -157,8 +159,8 @@ def _fp64_worker(rank, ws):
     assert not bad, bad
 
 
-def test_float64_norms_are_not_rounded_to_float32():
-    run_distributed(_fp64_worker, 2, timeout=120)
+def test_float64_norms_are_not_rounded_to_float32(at_2):
+    results_of(at_2, "fp64")
 
 
 def _hooks_worker(rank, ws, hsdp, accumulate, keep_gathered=False):
@@ -202,10 +204,10 @@ def _hooks_worker(rank, ws, hsdp, accumulate, keep_gathered=False):
     assert all(p.grad is None for p in ours.parameters())
 
 
-def test_post_accumulate_grad_hooks_after_sharding_run_on_the_reduced_gradient():
-    run_distributed(_hooks_worker, 3, False, False, timeout=120)
-    run_distributed(_hooks_worker, 4, True, True, timeout=120)
-    run_distributed(_hooks_worker, 2, False, True, True, timeout=120)
+def test_post_accumulate_grad_hooks_after_sharding_run_on_the_reduced_gradient(at_2, at_3, at_4):
+    results_of(at_3, "hooks")
+    results_of(at_4, "hooks hsdp accumulated")
+    results_of(at_2, "hooks accumulated kept gathered")
 
 
 def _nan_through_fmax_worker(rank, ws):
@@ -239,8 +241,8 @@ def _nan_through_fmax_worker(rank, ws):
         assert torch.isnan(total), (nt, float(total))
 
 
-def test_per_parameter_max_norms_keep_a_nan_through_a_max_that_drops_it():
-    run_distributed(_nan_through_fmax_worker, 2, timeout=120)
+def test_per_parameter_max_norms_keep_a_nan_through_a_max_that_drops_it(at_2):
+    results_of(at_2, "nan through fmax")
 
 
 class _TPNet(nn.Module):
@@ -281,5 +283,36 @@ def _tp_worker(rank, ws):
     assert not bad, bad
 
 
-def test_every_norm_order_with_tensor_parallelism_matches_fsdp2():
-    run_distributed(_tp_worker, 4, timeout=120)
+def test_every_norm_order_with_tensor_parallelism_matches_fsdp2(at_4):
+    results_of(at_4, "tensor parallel")
+
+
+# ---------------------------------------------------------------- one launch per world size
+_HOOKS = "test_post_accumulate_grad_hooks_after_sharding_run_on_the_reduced_gradient"
+
+
+@pytest.fixture(scope="module")
+def at_2(request):
+    return launch_phase(request, {
+        "test_float64_norms_are_not_rounded_to_float32": {"fp64": (_fp64_worker, ())},
+        _HOOKS: {"hooks accumulated kept gathered": (_hooks_worker, (False, True, True))},
+        "test_per_parameter_max_norms_keep_a_nan_through_a_max_that_drops_it": {
+            "nan through fmax": (_nan_through_fmax_worker, ())},
+    }, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def at_3(request):
+    return launch_phase(request, {
+        "test_error_if_nonfinite_raises_where_torch_does_for_every_order": {"nonfinite": (_nonfinite_worker, ())},
+        _HOOKS: {"hooks": (_hooks_worker, (False, False))},
+    }, 3, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def at_4(request):
+    return launch_phase(request, {
+        "test_every_norm_order_matches_torch_on_1d_and_hsdp_meshes": {"every order": (_every_order_worker, ())},
+        _HOOKS: {"hooks hsdp accumulated": (_hooks_worker, (True, True))},
+        "test_every_norm_order_with_tensor_parallelism_matches_fsdp2": {"tensor parallel": (_tp_worker, ())},
+    }, 4, timeout=300)

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 import fusedist
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 from test_fully_shard_checkpoint import _steps
 
 TOL3 = 1e-6
@@ -136,11 +137,10 @@ def _load_models(rank, ws, ours_dir, torch_dir):
 
 
 @pytest.mark.parametrize("load_ws", [3, 2])
-def test_dcp_save_at_2_load_resharded_matches_uninterrupted(tmp_path, load_ws):
-    ours_dir, torch_dir = str(tmp_path / "ours"), str(tmp_path / "torch")
-    saved = run_distributed(_save_models, 2, ours_dir, torch_dir)[0]
+def test_dcp_save_at_2_load_resharded_matches_uninterrupted(request, load_ws):
+    saved = results_of(_at(request, 2), "save models")[0]
     assert _diff(saved["ours", 2], saved["torch", 2]) == 0.0  # the same training at 2 ranks
-    for res in run_distributed(_load_models, load_ws, ours_dir, torch_dir):
+    for res in results_of(_at(request, load_ws), "load models"):
         # every combination: fusedist's checkpoint into fusedist and into torch's FSDP2, and back
         for kind in ("ours", "torch"):
             for src in ("ours", "torch"):
@@ -180,10 +180,9 @@ def _helpers_load(rank, ws, where, offload):
 
 
 @pytest.mark.parametrize("load_ws", [3, 2])
-def test_torch_helpers_sharded_round_trip(tmp_path, load_ws):
-    where = str(tmp_path / "ck")
-    at2, at4 = run_distributed(_helpers_save, 2, where)[0]
-    for loaded, continued in run_distributed(_helpers_load, load_ws, where, load_ws == 3):
+def test_torch_helpers_sharded_round_trip(request, load_ws):
+    at2, at4 = results_of(_at(request, 2), "helpers save")[0]
+    for loaded, continued in results_of(_at(request, load_ws), "helpers load"):
         assert _diff(loaded, at2) == 0.0
         assert _diff(continued, at4) <= (0.0 if load_ws == 2 else TOL3)
 
@@ -232,8 +231,8 @@ def _full_helpers(rank, ws):
 
 
 @pytest.mark.parametrize("ws", [2, 3])
-def test_torch_helpers_full_state_dict(ws):
-    for rank, res in enumerate(run_distributed(_full_helpers, ws)):
+def test_torch_helpers_full_state_dict(request, ws):
+    for rank, res in enumerate(results_of(_at(request, ws), "full helpers")):
         ours_keys, torch_keys = res.pop("offload keys")
         assert ours_keys == torch_keys and (ours_keys != []) == (rank == 0)  # torch: rank 0 only with cpu_offload
         assert res.pop("pickled plain pieces") and res.pop("deepcopy")
@@ -291,11 +290,51 @@ def _wrapped_round_trip(rank, ws, where, shard_blocks):
 
 
 @pytest.mark.parametrize("shard_blocks", [True, False])
-def test_checkpoint_wrapped_blocks_save_their_pieces(tmp_path, shard_blocks):
+def test_checkpoint_wrapped_blocks_save_their_pieces(at_3, shard_blocks):
     """Every sharded parameter's entry is a piece under the key without the wrapper's segment,
     so DCP writes this rank's rows (a plain tensor would be written as replicated: one rank's
     rows as the whole parameter), and whole tensors under those keys load."""
-    for rank, res in enumerate(run_distributed(_wrapped_round_trip, 3, str(tmp_path), shard_blocks)):
+    for rank, res in enumerate(results_of(at_3, f"wrapped round trip {shard_blocks}")):
         assert res.pop("keys") and res.pop("pieces") == [], (rank, res)
         for name, diff in res.items():
             assert diff == 0.0, (rank, name, diff)
+
+
+# ------------------------------------------------------------------ the launches
+def _at(request, ws: int) -> dict:
+    """The scenarios' results at world ``ws`` (only the launches a selected test reads start)."""
+    return request.getfixturevalue(f"at_{ws}")
+
+
+@pytest.fixture(scope="module")
+def directories(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("dcp")
+    return {name: str(base / name) for name in ("ours", "torch", "helpers", "wrapped-True", "wrapped-False")}
+
+
+@pytest.fixture(scope="module")
+def at_2(request, directories):
+    """World 2: the saves, then the loads at the same world size (one launch)."""
+    d = directories
+    return launch_phase(request, {
+        "test_dcp_save_at_2_load_resharded_matches_uninterrupted": {
+            "save models": (_save_models, (d["ours"], d["torch"])),
+            "load models": (_load_models, (d["ours"], d["torch"]))},
+        "test_torch_helpers_sharded_round_trip": {
+            "helpers save": (_helpers_save, (d["helpers"],)), "helpers load": (_helpers_load, (d["helpers"], False))},
+        "test_torch_helpers_full_state_dict": {"full helpers": (_full_helpers, ())},
+    }, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def at_3(request, directories, at_2):
+    """World 3: the world-2 checkpoints resharded on load (after the world-2 launch), and more."""
+    d = directories
+    return launch_phase(request, {
+        "test_dcp_save_at_2_load_resharded_matches_uninterrupted": {
+            "load models": (_load_models, (d["ours"], d["torch"]))},
+        "test_torch_helpers_sharded_round_trip": {"helpers load": (_helpers_load, (d["helpers"], True))},
+        "test_torch_helpers_full_state_dict": {"full helpers": (_full_helpers, ())},
+        "test_checkpoint_wrapped_blocks_save_their_pieces": {
+            f"wrapped round trip {b}": (_wrapped_round_trip, (d[f"wrapped-{b}"], b)) for b in (True, False)},
+    }, 3, timeout=300)

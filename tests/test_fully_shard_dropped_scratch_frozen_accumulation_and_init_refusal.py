@@ -18,12 +18,14 @@ import copy
 import gc
 import weakref
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import fusedist
 import models
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 
 FP32_TOL = dict(rtol=2e-6, atol=2e-6)
 
@@ -88,14 +90,14 @@ def _dropped_worker(rank, world, mesh_shape):
     return held, alive() is None, fresh.memory_stats()["scratch_bytes"] - before
 
 
-def test_dropped_model_with_no_sync_accumulators_leaves_scratch_bytes():
-    for held, freed, left in run_distributed(_dropped_worker, 2, (2,), timeout=120):
+def test_dropped_model_with_no_sync_accumulators_leaves_scratch_bytes(at_2):
+    for held, freed, left in results_of(at_2, "dropped"):
         assert held > 0 and freed
         assert left == 0, f"{left} scratch bytes of a dropped model still counted"
 
 
-def test_dropped_hsdp_model_with_partial_sums_leaves_scratch_bytes():
-    for held, freed, left in run_distributed(_dropped_worker, 4, (2, 2), timeout=120):
+def test_dropped_hsdp_model_with_partial_sums_leaves_scratch_bytes(at_4):
+    for held, freed, left in results_of(at_4, "dropped hsdp"):
         assert held > 0 and freed
         assert left == 0, f"{left} scratch bytes of a dropped model still counted"
 
@@ -139,8 +141,8 @@ def _init_refused_worker(rank, world):
     return refused, same_pieces, left, _full(model), ref.state_dict(), model(x).detach(), ref(x).detach()
 
 
-def test_init_parameters_refusal_leaves_the_model_usable():
-    for refused, same_pieces, left, full, ref_full, out, ref_out in run_distributed(_init_refused_worker, 2):
+def test_init_parameters_refusal_leaves_the_model_usable(at_2):
+    for refused, same_pieces, left, full, ref_full, out, ref_out in results_of(at_2, "init refused"):
         assert refused is not None and "has shape (3, 3)" in refused
         assert same_pieces, "the modules do not hold their sharded pieces after the refusal"
         assert left == 0, f"{left} scratch bytes of the refused initialization still counted"
@@ -177,8 +179,8 @@ def _frozen_after_accumulating_worker(rank, world):
     return out
 
 
-def test_parameter_frozen_after_accumulating_keeps_its_gradients_as_fsdp2():
-    for res in run_distributed(_frozen_after_accumulating_worker, 2):
+def test_parameter_frozen_after_accumulating_keeps_its_gradients_as_fsdp2(at_2):
+    for res in results_of(at_2, "frozen after accumulating"):
         (names, full), (ref_names, ref_full) = res["fusedist"], res["torch"]
         assert names == ref_names
         for k, v in ref_full.items():
@@ -225,7 +227,36 @@ def _aborted_then_dropped_worker(rank, world):
     return raised, alive() is None, COUNTERS.scratch - before[0], COUNTERS.gathered - before[1]
 
 
-def test_model_dropped_after_an_aborted_backward_leaves_memory_stats():
-    for raised, freed, scratch, gathered in run_distributed(_aborted_then_dropped_worker, 2):
+def test_model_dropped_after_an_aborted_backward_leaves_memory_stats(at_2):
+    for raised, freed, scratch, gathered in results_of(at_2, "aborted then dropped"):
         assert raised and freed
         assert (scratch, gathered) == (0, 0), f"a dropped model still counted: {scratch} scratch, {gathered} gathered"
+
+
+# ------------------------------------------------------------------ the launches
+def _after_collecting(rank, world, fn, *args):
+    """``fn`` once the models an earlier scenario of the launch left in reference cycles are
+    collected: the byte counters are process-wide, and such a model freed inside ``fn``'s own
+    ``gc.collect()`` would move them between its before and after."""
+    gc.collect()
+    return fn(rank, world, *args)
+
+
+@pytest.fixture(scope="module")
+def at_2(request):
+    return launch_phase(request, {
+        "test_dropped_model_with_no_sync_accumulators_leaves_scratch_bytes": {
+            "dropped": (_after_collecting, (_dropped_worker, (2,)))},
+        "test_init_parameters_refusal_leaves_the_model_usable": {
+            "init refused": (_after_collecting, (_init_refused_worker,))},
+        "test_parameter_frozen_after_accumulating_keeps_its_gradients_as_fsdp2": {
+            "frozen after accumulating": (_frozen_after_accumulating_worker, ())},
+        "test_model_dropped_after_an_aborted_backward_leaves_memory_stats": {
+            "aborted then dropped": (_after_collecting, (_aborted_then_dropped_worker,))},
+    }, 2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def at_4(request):
+    return launch_phase(request, {"test_dropped_hsdp_model_with_partial_sums_leaves_scratch_bytes": {
+        "dropped hsdp": (_after_collecting, (_dropped_worker, (2, 2)))}}, 4, timeout=120)

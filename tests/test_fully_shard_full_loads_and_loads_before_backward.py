@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import fusedist
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 from models import BlockStack
 
 # a short collective timeout: a rank that never joins a check is reported after it
@@ -93,8 +94,8 @@ def _full_on_every_rank(rank, ws):
         assert got["ours"][1] == pytest.approx(got["torch"][1], rel=1e-5, abs=1e-7), (cpu, bc)
 
 
-def test_full_state_dict_loads_on_every_rank_as_fsdp2():
-    run_distributed(_full_on_every_rank, 2, timeout=120, env=ENV)
+def test_full_state_dict_loads_on_every_rank_as_fsdp2(launched):
+    results_of(launched, "full on every rank")
 
 
 # ------------------------------------------------------------------ an empty dict on rank 1 is refused
@@ -129,8 +130,8 @@ def _empty_on_rank1(rank, ws):
         assert torch.equal(after[k], v), (rank, k)  # nothing loaded on either rank
 
 
-def test_full_state_dict_with_an_empty_dict_on_some_ranks_is_refused():
-    run_distributed(_empty_on_rank1, 2, timeout=120, env=ENV)
+def test_full_state_dict_with_an_empty_dict_on_some_ranks_is_refused(launched):
+    results_of(launched, "empty on rank 1")
 
 
 # ------------------------------------------------------------------ loads after a forward with gradients
@@ -162,8 +163,8 @@ def _load_after_forward(rank, ws):
             assert got["ours"][1] == pytest.approx(got["torch"][1], rel=1e-5, abs=1e-7), (backward, full)
 
 
-def test_load_after_a_forward_with_gradients_as_fsdp2():
-    run_distributed(_load_after_forward, 2, timeout=120, env=ENV)
+def test_load_after_a_forward_with_gradients_as_fsdp2(launched):
+    results_of(launched, "load after forward")
 
 
 def _dcp_load_after_forward(rank, ws, path):
@@ -186,8 +187,8 @@ def _dcp_load_after_forward(rank, ws, path):
     assert got["ours"][1] == pytest.approx(got["torch"][1], rel=1e-5, abs=1e-7)
 
 
-def test_dcp_load_after_a_forward_with_gradients_as_fsdp2(tmp_path):
-    run_distributed(_dcp_load_after_forward, 2, str(tmp_path), timeout=120, env=ENV)
+def test_dcp_load_after_a_forward_with_gradients_as_fsdp2(launched):
+    results_of(launched, "dcp load after forward")
 
 
 def _load_after_forward_not_gathered_in_backward(rank, ws):
@@ -205,5 +206,21 @@ def _load_after_forward_not_gathered_in_backward(rank, ws):
     assert got["ours"] == pytest.approx(got["torch"], rel=1e-5, abs=1e-7)
 
 
-def test_load_after_a_forward_into_units_not_gathered_in_backward_as_fsdp2():
-    run_distributed(_load_after_forward_not_gathered_in_backward, 2, timeout=120, env=ENV)
+def test_load_after_a_forward_into_units_not_gathered_in_backward_as_fsdp2(launched):
+    results_of(launched, "not gathered in backward")
+
+
+# ------------------------------------------------------------------ one launch of the ranks
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The selected tests' scenarios in one launch; the empty dict on rank 1 last (a rank's
+    collective stalls there until the short timeout)."""
+    return launch_phase(request, {
+        "test_full_state_dict_loads_on_every_rank_as_fsdp2": {"full on every rank": (_full_on_every_rank, ())},
+        "test_load_after_a_forward_with_gradients_as_fsdp2": {"load after forward": (_load_after_forward, ())},
+        "test_dcp_load_after_a_forward_with_gradients_as_fsdp2": {
+            "dcp load after forward": (_dcp_load_after_forward, (str(tmp_path_factory.mktemp("dcp-load")),))},
+        "test_load_after_a_forward_into_units_not_gathered_in_backward_as_fsdp2": {
+            "not gathered in backward": (_load_after_forward_not_gathered_in_backward, ())},
+        "test_full_state_dict_with_an_empty_dict_on_some_ranks_is_refused": {"empty on rank 1": (_empty_on_rank1, ())},
+    }, 2, timeout=300, env=ENV)

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of, under_env
 from test_fully_shard_api_parity import EXACT, _check_grads, _check_params, _ids, _loss, _mesh, _pair, _seed
 from test_fully_shard_module_methods import _Boom
 
@@ -83,11 +84,11 @@ def _swap_flag(rank, ws, seed):
     return True
 
 
-def test_conversions_under_swap_module_params_on_conversion_match_fsdp2():
+def test_conversions_under_swap_module_params_on_conversion_match_fsdp2(launched, seeds):
     """With set_swap_module_params_on_conversion(True), to() and to_empty() (then a reload)
     leave a model that trains as FSDP2's does under the flag; the flag is left as it was."""
-    seed = _seed()
-    assert run_distributed(_swap_flag, 2, seed) == [True, True], f"seed {seed}"
+    seed = seeds["swap flag"]
+    assert results_of(launched, "swap flag") == [True, True], f"seed {seed}"
 
 
 def _converted(rank, ws, seed):
@@ -100,11 +101,11 @@ def _converted(rank, ws, seed):
     return True
 
 
-def test_a_dtype_conversion_after_sharding_reduces_in_the_new_dtype():
+def test_a_dtype_conversion_after_sharding_reduces_in_the_new_dtype(launched, seeds):
     """model.double() after fully_shard: the gradients are reduce-scattered in fp64, as by
     FSDP2 (they were reduced in the dtype the model was sharded in, fp32: off in the 8th digit)."""
-    seed = _seed()
-    assert run_distributed(_converted, 2, seed) == [True, True], f"seed {seed}"
+    seed = seeds["converted"]
+    assert results_of(launched, "converted") == [True, True], f"seed {seed}"
 
 
 def _dtensor_entries(rank, ws, seed):
@@ -135,14 +136,13 @@ def _dtensor_entries(rank, ws, seed):
     return True
 
 
-def test_state_dicts_of_dtensors_load():
+def test_state_dicts_of_dtensors_load(launched, seeds):
     """FSDP2's model state dict and its optimizer's (through torch's helpers; DTensor values),
     and a full state dict torch's loader turned into DTensors, load into fusedist's model and
     optimizer on every rank alike (Note [DTensor entries loaded]); the model's used to abort
     one rank and hang the other."""
-    seed = _seed()
-    assert run_distributed(_dtensor_entries, 2, seed, env={"FUSEDIST_TIMEOUT_S": "30"},
-                           timeout=120) == [True, True], f"seed {seed}"
+    seed = seeds["dtensor entries"]
+    assert results_of(launched, "dtensor entries") == [True, True], f"seed {seed}"
 
 
 # ------------------------------------------ a unit's output in the loss on some ranks only
@@ -223,7 +223,7 @@ def _partial_branch(rank, ws, seed, steps=3):
     return True
 
 
-def test_unit_output_in_loss_on_some_ranks_matches_fsdp2():
+def test_unit_output_in_loss_on_some_ranks_matches_fsdp2(launched, seeds):
     """A unit that runs on every rank but reaches the loss on some only (a data-dependent
     branch), under set_reduce_scatter_unused_params(True), resharded after forward or not: the
     gradients and parameters, over three steps, of FSDP2 on the same data with ``0 * branch`` added where it is skipped.
@@ -232,8 +232,8 @@ def test_unit_output_in_loss_on_some_ranks_matches_fsdp2():
     units' (a crash or hang with these distinct sizes, mixed gradients with equal ones);
     fusedist reduces in one order on every rank. Without the setting (FSDP2 hangs) fusedist
     raises a RankMismatchError naming it."""
-    seed = _seed()
-    assert run_distributed(_partial_branch, 2, seed, pg_timeout=20) == [True, True], f"seed {seed}"
+    seed = seeds["partial branch"]
+    assert results_of(launched, "partial branch") == [True, True], f"seed {seed}"
 
 
 # ------------------------------------------------------ the step after an aborted backward
@@ -308,13 +308,13 @@ def _aborted_backward(rank, ws, seed):
     return True
 
 
-def test_step_after_aborted_backward_matches_fsdp2():
+def test_step_after_aborted_backward_matches_fsdp2(launched, seeds):
     """A backward that raised midway (a BaseException from a hook, an error inside an autograd
     function's backward): with or without reset_iter_state, the next step gives the gradients
     and parameters of FSDP2 after reset_iter_state, and the step watch reports two completed
     backwards and not being in one."""
-    seed = _seed()
-    assert run_distributed(_aborted_backward, 2, seed) == [True, True], f"seed {seed}"
+    seed = seeds["aborted backward"]
+    assert results_of(launched, "aborted backward") == [True, True], f"seed {seed}"
 
 
 # ------------------------------------------------------------------------- share_comm_ctx
@@ -348,11 +348,11 @@ def _share_comm_ctx(rank, ws, seed):
     return True
 
 
-def test_share_comm_ctx_matches_fsdp2():
+def test_share_comm_ctx_matches_fsdp2(launched, seeds):
     """fusedist.share_comm_ctx validates as torch's (same errors), hands torch's modules to
     torch's, refuses a mix, and the models train as FSDP2's after it."""
-    seed = _seed()
-    assert run_distributed(_share_comm_ctx, 2, seed) == [True, True], f"seed {seed}"
+    seed = seeds["share comm ctx"]
+    assert results_of(launched, "share comm ctx") == [True, True], f"seed {seed}"
 
 
 # ------------------------------------------------------- full state dict of a compiled model
@@ -382,9 +382,37 @@ def _compiled_keys(rank, ws, seed):
     return True
 
 
-def test_full_state_dict_of_compiled_model_has_fsdp2_keys():
+def test_full_state_dict_of_compiled_model_has_fsdp2_keys(launched, seeds):
     """full_state_dict of a torch.compile'd model (and of one with a compiled block inside)
     has the keys and values of FSDP2's full get_model_state_dict -- canonical names, without
     ``_orig_mod.`` -- and load_full_state_dict takes those keys, or the prefixed ones."""
-    seed = _seed()
-    assert run_distributed(_compiled_keys, 2, seed) == [True, True], f"seed {seed}"
+    seed = seeds["compiled keys"]
+    assert results_of(launched, "compiled keys") == [True, True], f"seed {seed}"
+
+
+# ------------------------------------------------------- one launch of the ranks
+@pytest.fixture(scope="module")
+def seeds() -> dict:
+    """A fresh seed per scenario (each failure message shows its own)."""
+    return {name: _seed() for name in SCENARIOS}
+
+
+SCENARIOS = {  # {scenario: (test, fn)}
+    "swap flag": ("test_conversions_under_swap_module_params_on_conversion_match_fsdp2", _swap_flag),
+    "converted": ("test_a_dtype_conversion_after_sharding_reduces_in_the_new_dtype", _converted),
+    "dtensor entries": ("test_state_dicts_of_dtensors_load", _dtensor_entries),
+    "partial branch": ("test_unit_output_in_loss_on_some_ranks_matches_fsdp2", _partial_branch),
+    "aborted backward": ("test_step_after_aborted_backward_matches_fsdp2", _aborted_backward),
+    "share comm ctx": ("test_share_comm_ctx_matches_fsdp2", _share_comm_ctx),
+    "compiled keys": ("test_full_state_dict_of_compiled_model_has_fsdp2_keys", _compiled_keys),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(request, seeds):
+    """The selected tests' scenarios in one launch (pg_timeout: a rank that waits for a
+    reduce-scatter its peer never posts fails within it)."""
+    by_test = {test: {name: (fn, (seeds[name],))} for name, (test, fn) in SCENARIOS.items()}
+    by_test["test_state_dicts_of_dtensors_load"] = {
+        "dtensor entries": (under_env, ({"FUSEDIST_TIMEOUT_S": "30"}, _dtensor_entries, seeds["dtensor entries"]))}
+    return launch_phase(request, by_test, 2, timeout=300, pg_timeout=20)

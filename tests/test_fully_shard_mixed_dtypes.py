@@ -26,13 +26,15 @@ from __future__ import annotations
 import copy
 import os
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import fusedist
 import models
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of, under_env
 
 BF16 = dict(rtol=2 ** -7, atol=1e-6)
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -235,8 +237,8 @@ def _parity(rank, ws, directory):
     return out
 
 
-def test_mixed_dtype_units_train_like_fsdp2():
-    for res in run_distributed(_parity, 2, None, timeout=240):
+def test_mixed_dtype_units_train_like_fsdp2(at_2):
+    for res in results_of(at_2, "parity"):
         assert res["fsdp2_refuses"]
         for what in ("plain", "mp", "frozen", "mp frozen"):
             ours, ref, exact = res[what]
@@ -348,8 +350,8 @@ def _checkpoints(rank, ws, directory):
     return out
 
 
-def test_mixed_dtype_units_checkpoint_interchange(tmp_path):
-    for res in run_distributed(_checkpoints, 2, str(tmp_path), timeout=240):
+def test_mixed_dtype_units_checkpoint_interchange(at_2):
+    for res in results_of(at_2, "checkpoints"):
         assert res["dtypes"]["blocks.0.norm.weight"] == "torch.float32"
         assert res["dtypes"]["blocks.0.router.weight"] == "torch.float32"
         assert res["dtypes"]["blocks.0.fc1.weight"] == "torch.bfloat16"
@@ -385,8 +387,8 @@ def _world3(rank, ws, directory):
     return True
 
 
-def test_mixed_dtype_units_world_3():
-    assert run_distributed(_world3, 3, None, timeout=240) == [True] * 3
+def test_mixed_dtype_units_world_3(at_3):
+    assert results_of(at_3, "world 3") == [True] * 3
 
 
 def _dtype_differs(rank, ws):
@@ -411,19 +413,17 @@ def _model_dtype_differs(rank, ws):
     model(torch.randn(3, 8, dtype=model[0].weight.dtype))
 
 
-def test_a_model_of_another_dtype_on_one_rank_fails_on_every_rank_without_hanging():
+def test_a_model_of_another_dtype_on_one_rank_fails_on_every_rank_without_hanging(at_2):
     """A unit of one dtype was compared without it: a rank that loaded the model in float64
     waited in its first all-gather until the timeout (a StallError, not the mismatch)."""
-    out = run_distributed(_model_dtype_differs, 2, expect_failure=True, timeout=90,
-                          env={"FUSEDIST_TIMEOUT_S": "30"})
-    for status, text in out:
+    for status, text in results_of(at_2, "model dtype differs"):
         assert status == "error"
         assert "RankMismatchError" in text and "fully_shard wrapping of the model differs across ranks" in text, text
         assert "the root module [2.weight (float32) (4, 8)" in text and "2.weight (float64)" in text, text
 
 
-def test_dtypes_differing_across_ranks_fail_on_every_rank_without_hanging():
-    for status, text in run_distributed(_dtype_differs, 2, expect_failure=True, timeout=60):
+def test_dtypes_differing_across_ranks_fail_on_every_rank_without_hanging(at_2):
+    for status, text in results_of(at_2, "dtype differs"):
         assert status == "error"
         assert "RankMismatchError" in text and "fully_shard wrapping of the model differs across ranks" in text, text
         assert "router.weight (float32)" in text or "router.weight (bfloat16)" in text, text
@@ -442,3 +442,34 @@ def test_sections_per_trainable_flag_and_dtype():
         assert sum(layout.piece(i, r).numel for r in range(2)) == torch.Size(shape).numel()
     one = SplitLayout(shapes, [True, True, True, False, False], 2, [bf] * 5)
     assert not one.mixed and [(s.trainable, s.dtype) for s in one.sections] == [(True, None), (False, None)]
+
+
+# ---------------------------------------------------------------------------- the launches
+def _raised(rank, ws, fn, *args):
+    """``fn``'s error on this rank as ("error", its type and text), or ("returned", None): the
+    mismatch scenarios raise on every rank, and the launch goes on to the next scenario."""
+    try:
+        fn(rank, ws, *args)
+    except Exception as e:  # noqa: BLE001 - the test reads which error
+        return "error", f"{type(e).__name__}: {e}"
+    return "returned", None
+
+
+@pytest.fixture(scope="module")
+def at_2(request, tmp_path_factory):
+    """World 2 in one launch, the mismatches last (a rank that waited in a collective its peer
+    never posts fails within the 30 s timeout)."""
+    return launch_phase(request, {
+        "test_mixed_dtype_units_train_like_fsdp2": {"parity": (_parity, (None,))},
+        "test_mixed_dtype_units_checkpoint_interchange": {
+            "checkpoints": (_checkpoints, (str(tmp_path_factory.mktemp("mixed-dtypes")),))},
+        "test_a_model_of_another_dtype_on_one_rank_fails_on_every_rank_without_hanging": {
+            "model dtype differs": (under_env, ({"FUSEDIST_TIMEOUT_S": "30"}, _raised, _model_dtype_differs))},
+        "test_dtypes_differing_across_ranks_fail_on_every_rank_without_hanging": {
+            "dtype differs": (under_env, ({"FUSEDIST_TIMEOUT_S": "30"}, _raised, _dtype_differs))},
+    }, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def at_3(request):
+    return launch_phase(request, {"test_mixed_dtype_units_world_3": {"world 3": (_world3, (None,))}}, 3, timeout=240)

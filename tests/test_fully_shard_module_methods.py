@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 import models
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 from test_fully_shard_api_parity import (EXACT, FP16, _check_grads, _check_params, _gathering, _ids, _loss,
                                          _mesh, _optimizers, _pair, _seed, _train_step, _units)
 
@@ -184,14 +185,14 @@ def _all_reduce_hook(rank, ws, seed):
     return True
 
 
-def test_all_reduce_hook_matches_fsdp2():
+def test_all_reduce_hook_matches_fsdp2(launched, seeds):
     """set_all_reduce_hook: one call per unit and synchronized backward (none under
     set_requires_gradient_sync(False)), with a tensor in reduce_dtype whose elements over the
     ranks are FSDP2's exactly (fp32 average; fp16 sum before the division by the rest of the
     factor); an in-place change reaches the gradients as in FSDP2; a hook issuing a collective
     on another group runs without a hang; None removes the hook."""
-    seed = _seed()
-    assert run_distributed(_all_reduce_hook, 2, seed, timeout=240) == [True, True], f"seed {seed}"
+    seed = seeds["all-reduce hook"]
+    assert results_of(launched, "all-reduce hook") == [True, True], f"seed {seed}"
 
 
 # ------------------------------------------------------- unused parameters, buffer cap
@@ -318,15 +319,15 @@ def _reduction_controls(rank, ws, seed):
     return True
 
 
-def test_unused_params_and_buffer_cap_match_fsdp2():
+def test_unused_params_and_buffer_cap_match_fsdp2(launched, seeds):
     """set_reduce_scatter_unused_params(True) gives every trainable parameter FSDP2's
     gradient where ranks use different branches, and zeros where none uses one or a whole
     unit is skipped (once it has run: FSDP2's condition); without it an unused parameter
     keeps grad None as in FSDP2, and ranks that differ are reported.
     set_reduce_scatter_max_input_buffers bounds the reduce-scatters in flight (1: one at a
     time), trains as FSDP2 with the same cap, and refuses what FSDP2 refuses."""
-    seed = _seed()
-    assert run_distributed(_reduction_controls, 2, seed, timeout=240) == [True, True], f"seed {seed}"
+    seed = seeds["reduction controls"]
+    assert results_of(launched, "reduction controls") == [True, True], f"seed {seed}"
 
 
 # ------------------------------------------------------------------- reset_iter_state
@@ -410,7 +411,7 @@ def _reset_iter_state(rank, ws, seed):
     return True
 
 
-def test_reset_iter_state_matches_fsdp2():
+def test_reset_iter_state_matches_fsdp2(launched, seeds):
     """After an exception in forward (a unit gathered, the root kept gathered), in backward
     (reductions issued or waiting) and in a micro-batch sequence (no-sync accumulators),
     reset_iter_state on the root and zero_grad, training goes on as if the failed iterations
@@ -421,8 +422,8 @@ def test_reset_iter_state_matches_fsdp2():
     lost"). torch 2.13's own reset does not reach it there: it keeps the unsharded gradients
     of units whose post-backward had not run (the root's, whose inputs need no gradient; a
     no-sync accumulation) and adds them into the next reduction."""
-    seed = _seed()
-    assert run_distributed(_reset_iter_state, 2, seed, timeout=240) == [True, True], f"seed {seed}"
+    seed = seeds["reset iter state"]
+    assert results_of(launched, "reset iter state") == [True, True], f"seed {seed}"
 
 
 # --------------------------------------- post-optimizer event, async unshard, settings
@@ -476,15 +477,15 @@ def _schedule_settings(rank, ws, seed):
     return True
 
 
-def test_post_optim_event_async_unshard_and_comm_settings():
+def test_post_optim_event_async_unshard_and_comm_settings(launched, seeds):
     """set_post_optim_event (before and after the first forward, on the root or a submodule)
     is consumed by the next forward as in FSDP2, and _set_unshard_async_op(True) reaches every
     unit, with FSDP2's training results; set_separate_reduce_scatter_group,
     set_allocate_memory_from_process_group_for_comm and set_symm_mem_for_comm are recorded
     and change no result; set_custom_all_gather / set_custom_reduce_scatter raise
     NotImplementedError naming the method and what to use instead."""
-    seed = _seed()
-    assert run_distributed(_schedule_settings, 2, seed, timeout=240) == [True, True], f"seed {seed}"
+    seed = seeds["schedule settings"]
+    assert results_of(launched, "schedule settings") == [True, True], f"seed {seed}"
 
 
 # ------------------------------------------------------------------------ signatures
@@ -511,3 +512,24 @@ def test_signatures_match_fsdp2():
     assert missing <= torch_only, sorted(missing - torch_only)
     for name in NEW_METHODS:
         assert shape(getattr(ours, name)) == shape(getattr(FSDPModule, name)), name
+
+
+# ------------------------------------------------------------------ one launch of the ranks
+SCENARIOS = {  # {scenario: (test, fn)}
+    "all-reduce hook": ("test_all_reduce_hook_matches_fsdp2", _all_reduce_hook),
+    "reduction controls": ("test_unused_params_and_buffer_cap_match_fsdp2", _reduction_controls),
+    "reset iter state": ("test_reset_iter_state_matches_fsdp2", _reset_iter_state),
+    "schedule settings": ("test_post_optim_event_async_unshard_and_comm_settings", _schedule_settings),
+}
+
+
+@pytest.fixture(scope="module")
+def seeds() -> dict:
+    """A fresh seed per scenario (each failure message shows its own)."""
+    return {name: _seed() for name in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def launched(request, seeds):
+    return launch_phase(request, {test: {name: (fn, (seeds[name],))} for name, (test, fn) in SCENARIOS.items()},
+                        2, timeout=400)

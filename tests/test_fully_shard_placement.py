@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusedist
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 
 EXACT = dict(rtol=0, atol=0)
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -176,12 +177,12 @@ def _training(rank, ws):
     return True
 
 
-def test_dim_sharded_training_matches_fsdp2_world_2():
-    assert run_distributed(_training, 2, timeout=300) == [True] * 2
+def test_dim_sharded_training_matches_fsdp2_world_2(at_2):
+    assert results_of(at_2, "training") == [True] * 2
 
 
-def test_dim_sharded_training_matches_fsdp2_world_3():
-    assert run_distributed(_training, 3, timeout=300) == [True] * 3
+def test_dim_sharded_training_matches_fsdp2_world_3(at_3):
+    assert results_of(at_3, "training") == [True] * 3
 
 
 # ---------------------------------------------------------------------------- padding
@@ -247,9 +248,9 @@ def _padding(rank, ws):
     return shapes, fsdp2
 
 
-def test_lengths_the_world_size_does_not_divide_are_padded():
-    for ws in (2, 3):
-        res = run_distributed(_padding, ws, timeout=300)
+def test_lengths_the_world_size_does_not_divide_are_padded(at_2, at_3):
+    for ws, launched in ((2, at_2), (3, at_3)):
+        res = results_of(launched, "padding")
         for rank, (shapes, fsdp2) in enumerate(res):
             assert "uneven sharding" in fsdp2, fsdp2
         if ws == 3:
@@ -307,9 +308,9 @@ def _scaled(rank, ws):
     return out
 
 
-def test_clip_scaler_accumulation_and_offload_match_fsdp2():
-    for ws in (2, 3):
-        for res in run_distributed(_scaled, ws, timeout=300):
+def test_clip_scaler_accumulation_and_offload_match_fsdp2(at_2, at_3):
+    for ws, launched in ((2, at_2), (3, at_3)):
+        for res in results_of(launched, "scaled"):
             for what, norms in res.items():
                 for step, (a, b) in enumerate(norms):
                     if step == 2:
@@ -479,25 +480,16 @@ def _resave(rank, ws, directory):
     return True
 
 
-@pytest.fixture(scope="module")
-def checkpoints_at_2(tmp_path_factory):
-    """:func:`_checkpoints` at world 2, launched once for the two tests that read it: its
-    directory and the ranks' results."""
-    directory = tmp_path_factory.mktemp("checkpoints-2")
-    return str(directory), run_distributed(_checkpoints, 2, str(directory), timeout=300)
-
-
-def test_state_dicts_and_dcp_interchange_with_fsdp2(tmp_path, checkpoints_at_2):
-    for res in checkpoints_at_2[1]:
+def test_state_dicts_and_dcp_interchange_with_fsdp2(at_2, at_3):
+    for res in results_of(at_2, "checkpoints"):
         assert all(res.values()), (2, res)
-    for res in run_distributed(_checkpoints, 3, str(tmp_path), timeout=300):
+    for res in results_of(at_3, "checkpoints"):
         assert all(res.values()), (3, res)
 
 
-def test_dcp_checkpoint_saved_at_world_2_loads_at_world_3(checkpoints_at_2):
-    directory = checkpoints_at_2[0]
-    assert run_distributed(_resave, 2, directory, timeout=120) == [True] * 2
-    for res in run_distributed(_load_at, 3, directory, timeout=300):
+def test_dcp_checkpoint_saved_at_world_2_loads_at_world_3(at_2, at_3):
+    assert results_of(at_2, "resave") == [True] * 2
+    for res in results_of(at_3, "load at 3"):
         assert all(res.values()), res
 
 
@@ -537,8 +529,8 @@ def _hsdp(rank, ws):
     return out
 
 
-def test_hsdp_and_memory_stats():
-    for res in run_distributed(_hsdp, 2, timeout=300):
+def test_hsdp_and_memory_stats(at_2):
+    for res in results_of(at_2, "hsdp"):
         assert res[(2, 1)] and res[(1, 2)] and all(res["memory"]), res
 
 
@@ -559,8 +551,8 @@ def _mismatch(rank, ws):
         return str(e)
 
 
-def test_placements_differing_across_ranks_are_a_rank_mismatch():
-    for text in run_distributed(_mismatch, 2, timeout=60):
+def test_placements_differing_across_ranks_are_a_rank_mismatch(at_2):
+    for text in results_of(at_2, "mismatch"):
         assert text is not None and "Shard(1)" in text, text
 
 
@@ -642,8 +634,8 @@ def _sections(rank, ws):
     return kinds, same, doubled
 
 
-def test_dim_sharded_sections_per_dtype_and_trainable_flag():
-    for kinds, same, doubled in run_distributed(_sections, 3, timeout=300):
+def test_dim_sharded_sections_per_dtype_and_trainable_flag(at_3):
+    for kinds, same, doubled in results_of(at_3, "sections"):
         assert same and doubled
         assert kinds == [(True, "torch.float32", False), (True, "torch.bfloat16", False),
                          (False, "torch.float32", True), (False, "torch.bfloat16", True)], kinds
@@ -676,8 +668,45 @@ def _tied(rank, ws):
     return _equal(*trained)
 
 
-def test_dim_sharded_weight_tied_across_units():
-    assert run_distributed(_tied, 3, timeout=300) == [True] * 3
+def test_dim_sharded_weight_tied_across_units(at_3):
+    assert results_of(at_3, "tied") == [True] * 3
+
+
+# ---------------------------------------------------------------------------- the launches
+@pytest.fixture(scope="module")
+def directories(tmp_path_factory):
+    """Where each world size's checkpoints go (world 3 reads world 2's resaved one)."""
+    return {ws: str(tmp_path_factory.mktemp(f"checkpoints-{ws}")) for ws in (2, 3)}
+
+
+@pytest.fixture(scope="module")
+def at_2(request, directories):
+    """The world-2 scenarios of the selected tests, in one launch (the mismatch last: its ranks raise)."""
+    saved = {"checkpoints": (_checkpoints, (directories[2],)), "resave": (_resave, (directories[2],))}
+    return launch_phase(request, {
+        "test_dim_sharded_training_matches_fsdp2_world_2": {"training": (_training, ())},
+        "test_lengths_the_world_size_does_not_divide_are_padded": {"padding": (_padding, ())},
+        "test_clip_scaler_accumulation_and_offload_match_fsdp2": {"scaled": (_scaled, ())},
+        "test_state_dicts_and_dcp_interchange_with_fsdp2": {"checkpoints": saved["checkpoints"]},
+        "test_dcp_checkpoint_saved_at_world_2_loads_at_world_3": saved,
+        "test_hsdp_and_memory_stats": {"hsdp": (_hsdp, ())},
+        "test_placements_differing_across_ranks_are_a_rank_mismatch": {"mismatch": (_mismatch, ())},
+    }, 2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def at_3(request, directories, at_2):
+    """The world-3 scenarios of the selected tests, in one launch after the world-2 one (whose
+    resaved checkpoint ``load at 3`` reads)."""
+    return launch_phase(request, {
+        "test_dim_sharded_training_matches_fsdp2_world_3": {"training": (_training, ())},
+        "test_lengths_the_world_size_does_not_divide_are_padded": {"padding": (_padding, ())},
+        "test_clip_scaler_accumulation_and_offload_match_fsdp2": {"scaled": (_scaled, ())},
+        "test_state_dicts_and_dcp_interchange_with_fsdp2": {"checkpoints": (_checkpoints, (directories[3],))},
+        "test_dcp_checkpoint_saved_at_world_2_loads_at_world_3": {"load at 3": (_load_at, (directories[2],))},
+        "test_dim_sharded_sections_per_dtype_and_trainable_flag": {"sections": (_sections, ())},
+        "test_dim_sharded_weight_tied_across_units": {"tied": (_tied, ())},
+    }, 3, timeout=600)
 
 
 # ---------------------------------------------------------------------------- the layout alone

@@ -22,6 +22,8 @@ from torch import nn
 
 import models
 from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 from test_fully_shard_api_parity import EXACT, _check_grads, _check_params, _ids, _loss, _mesh, _pair, _seed
 from test_fully_shard_gaps import _drop_unsharded_grads, _step
 
@@ -160,7 +162,7 @@ def _aborted_standalone_call(mesh, seed, rank) -> None:
     assert ours.memory_stats()["gathered_bytes"] == 0, f"{what}: {ours.memory_stats()}"
 
 
-def test_step_after_forward_that_raised_matches_fsdp2():
+def test_step_after_forward_that_raised_matches_fsdp2(launched, seeds):
     """An exception inside a unit's forward (after its gather and the next unit's prefetch),
     between a no-sync micro-batch and the synchronized one: with or without reset_iter_state,
     the following steps give FSDP2's gradients and parameters, the step watch counts every
@@ -168,8 +170,8 @@ def test_step_after_forward_that_raised_matches_fsdp2():
     unit stays gathered, and a registered forward method that calls forward inside is not
     taken for an aborted forward. Then a block's own call (not through the root) that raises:
     its gathers are freed at once and what follows matches FSDP2."""
-    seed = _seed()
-    assert run_distributed(_aborted_forward, 2, seed) == [True, True], f"seed {seed}"
+    seed = seeds["aborted"]
+    assert results_of(launched, "aborted") == [True, True], f"seed {seed}"
 
 
 # ------------------------------------------- checkpoint-wrapper names in state dicts
@@ -250,13 +252,13 @@ def _wrapper_names(rank, ws, seed, where):
     return True
 
 
-def test_state_dict_keys_under_checkpoint_wrapper_match_fsdp2(tmp_path):
+def test_state_dict_keys_under_checkpoint_wrapper_match_fsdp2(launched, seeds):
     """Blocks in torch's checkpoint_wrapper with a submodule named ``pre_checkpoint_wrapped_module``
     (the wrapper's attribute name inside another name): the state dict has FSDP2's keys, every
     sharded entry is a piece (not one rank's rows passed off as the whole parameter), DCP
     carries our pieces into FSDP2's model, and FSDP2's whole parameters load into ours."""
-    seed = _seed()
-    assert run_distributed(_wrapper_names, 2, seed, str(tmp_path)) == [True, True], f"seed {seed}"
+    seed = seeds["wrapper names"]
+    assert results_of(launched, "wrapper names") == [True, True], f"seed {seed}"
 
 
 # ------------------------------------------------ a unit that runs on some ranks only
@@ -340,7 +342,7 @@ def _layer_drop(rank, ws, seed):
     return None
 
 
-def test_alike_units_dropped_per_rank_are_reported_naming_units():
+def test_alike_units_dropped_per_rank_are_reported_naming_units(seeds):
     """Layer drop with a different block per rank: the same number of gathers and reductions
     of the same sizes (FSDP2 trains on mixed blocks silently). With gloo the messages carry a
     hash of the collective's tag (Note [exchange tags] in fusedist/comm/exchange_tags.py), so
@@ -349,9 +351,11 @@ def test_alike_units_dropped_per_rank_are_reported_naming_units():
     or a transport without tags) fusedist's step check compares the units each rank ran, and
     the next forward raises RankMismatchError listing each rank's units by path: either way no
     step trains on mixed blocks unreported."""
-    seed = _seed()
+    seed = seeds["layer drop"]
+    # (a launch of its own: its ranks' gathers fail to pair by design, which leaves the group's
+    # exchanges out of step for any scenario after it)
     for rank, message in enumerate(run_distributed(_layer_drop, 2, seed, timeout=90, env={"FUSEDIST_TIMEOUT_S": "5"})):
-        assert message is not None, f"rank {rank} trained on mixed blocks without an error"
+        assert message is not None, f"seed {seed}: rank {rank} trained on mixed blocks without an error"
         if "RankMismatchError" in message:
             assert "ranks diverged" in message and "ran different units in forward" in message, message
             kept = ", ".join(f"blocks.{i} (ResidualBlock)" for i in range(3) if i != 1 + rank)
@@ -460,15 +464,15 @@ def _torch_arguments(rank, ws, seed):
     return True
 
 
-def test_fsdp2_arguments_taken_or_refused_by_name():
+def test_fsdp2_arguments_taken_or_refused_by_name(launched, seeds):
     """torch's CPUOffloadPolicy object offloads (it was silently ignored), a shard_placement_fn
     giving Shard(0) / None trains as FSDP2 with the same arguments; a placement other than Shard(dim),
     dp_mesh_dims, DTensors on the data-parallel ranks, tensor-subclass parameters without FSDP2's all-gather
     extension (whose subclass was dropped silently) and a module whose parameters are all tied to another
     unit's are refused with an error naming the argument or parameter, before
     the module is changed."""
-    seed = _seed()
-    assert run_distributed(_torch_arguments, 2, seed) == [True, True], f"seed {seed}"
+    seed = seeds["torch arguments"]
+    assert results_of(launched, "torch arguments") == [True, True], f"seed {seed}"
 
 
 # ------------------------------------------------- two backwards through one forward
@@ -496,12 +500,12 @@ def _two_backwards(rank, ws, seed):
     return True
 
 
-def test_two_backwards_through_one_forward_match_fsdp2():
+def test_two_backwards_through_one_forward_match_fsdp2(launched, seeds):
     """Two losses backpropagated one after the other through one forward (``retain_graph``):
     the gradients sum both, as FSDP2's; the optimizer steps (the second backward is a
     synchronized one, reduced like the first) and the watch counts two synchronized backwards."""
-    seed = _seed()
-    assert run_distributed(_two_backwards, 2, seed) == [True, True], f"seed {seed}"
+    seed = seeds["two backwards"]
+    assert results_of(launched, "two backwards") == [True, True], f"seed {seed}"
 
 
 # ------------------------------------------------------- explicit prefetch lists
@@ -572,13 +576,13 @@ def _prefetch_lists(rank, ws, seed):
     return True
 
 
-def test_explicit_prefetch_lists_are_hints_as_in_fsdp2():
+def test_explicit_prefetch_lists_are_hints_as_in_fsdp2(launched, seeds):
     """Forward and backward prefetch lists that omit units, name them out of order or name
     units that already ran (all at once), with activation checkpointing and with
     reshard_after_forward False too: every unit still gathers before its own compute, and
     training equals FSDP2's with the same lists; no unit stays gathered."""
-    seed = _seed()
-    assert run_distributed(_prefetch_lists, 2, seed) == [True, True], f"seed {seed}"
+    seed = seeds["prefetch lists"]
+    assert results_of(launched, "prefetch lists") == [True, True], f"seed {seed}"
 
 
 # --------------------------------------------------- inference mode before training
@@ -597,13 +601,13 @@ def _inference_first(rank, ws, seed):
     return True
 
 
-def test_first_forward_in_inference_mode_then_training_matches_fsdp2():
+def test_first_forward_in_inference_mode_then_training_matches_fsdp2(launched, seeds):
     """The model's first forward under torch.inference_mode() (an evaluation before training)
     and more between steps: outputs equal FSDP2's under no_grad, and training afterwards
     equals FSDP2's (the step watch's buffers were made as inference tensors, and the first
     backward failed writing them)."""
-    seed = _seed()
-    assert run_distributed(_inference_first, 2, seed) == [True, True], f"seed {seed}"
+    seed = seeds["inference first"]
+    assert results_of(launched, "inference first") == [True, True], f"seed {seed}"
 
 
 # ------------------------------------------------------------- deep copies
@@ -632,15 +636,43 @@ def _deepcopy(rank, ws):
     return errors, pickled
 
 
-def test_deepcopy_and_pickling_are_refused_by_name():
+def test_deepcopy_and_pickling_are_refused_by_name(launched):
     """FSDP2 refuses deepcopy of a sharded module with an AssertionError; fusedist's failed deep
     inside ("cannot pickle 'WeakMethod'"). Pickling (``torch.save(model)``) failed, as FSDP2's does,
     on the class made at sharding ("attribute lookup FullyShardStack ... failed"). Now each is a
     TypeError that says what to do instead."""
-    for errors, pickled in run_distributed(_deepcopy, 2):
+    for errors, pickled in results_of(launched, "deepcopy"):
         assert len(errors) == 2, errors
         for e in errors:
             assert "cannot be deep-copied" in e and "full_state_dict" in e, e
         assert len(pickled) == 4, pickled
         for e in pickled:
             assert "cannot be pickled" in e and "fusedist.checkpoint.save" in e, e
+
+
+# ------------------------------------------------------------- one launch of the ranks
+@pytest.fixture(scope="module")
+def seeds() -> dict:
+    """A fresh seed per scenario (each failure message shows its own)."""
+    return {name: _seed() for name in ("aborted", "wrapper names", "torch arguments", "two backwards",
+                                       "prefetch lists", "inference first", "layer drop")}
+
+
+@pytest.fixture(scope="module")
+def launched(request, seeds, tmp_path_factory):
+    """The selected tests' scenarios that leave the group in step, in one launch."""
+    where = str(tmp_path_factory.mktemp("wrapper-names"))
+    return launch_phase(request, {
+        "test_step_after_forward_that_raised_matches_fsdp2": {"aborted": (_aborted_forward, (seeds["aborted"],))},
+        "test_state_dict_keys_under_checkpoint_wrapper_match_fsdp2": {
+            "wrapper names": (_wrapper_names, (seeds["wrapper names"], where))},
+        "test_fsdp2_arguments_taken_or_refused_by_name": {
+            "torch arguments": (_torch_arguments, (seeds["torch arguments"],))},
+        "test_two_backwards_through_one_forward_match_fsdp2": {
+            "two backwards": (_two_backwards, (seeds["two backwards"],))},
+        "test_explicit_prefetch_lists_are_hints_as_in_fsdp2": {
+            "prefetch lists": (_prefetch_lists, (seeds["prefetch lists"],))},
+        "test_first_forward_in_inference_mode_then_training_matches_fsdp2": {
+            "inference first": (_inference_first, (seeds["inference first"],))},
+        "test_deepcopy_and_pickling_are_refused_by_name": {"deepcopy": (_deepcopy, ())},
+    }, 2, timeout=300)

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 import fusedist
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 
 # a Sequential of two Linears inside a block unit, one Linear of it, and a Linear of the root's unit
 TARGETS = ("blocks.0.mlp", "blocks.0.mlp.0", "head")
@@ -143,8 +144,8 @@ def _taken(rank, ws):
     return True
 
 
-def test_submodule_state_dict_entries_match_fsdp2():
-    assert run_distributed(_taken, 2) == [True, True]
+def test_submodule_state_dict_entries_match_fsdp2(launched):
+    assert results_of(launched, "taken") == [True, True]
 
 
 # ------------------------------------------------------------------ what a full state dict holds
@@ -197,14 +198,14 @@ def _held(rank, ws):
     return out
 
 
-def test_full_state_dict_of_a_submodule_keeps_only_its_own_parameters_whole():
+def test_full_state_dict_of_a_submodule_keeps_only_its_own_parameters_whole(launched):
     """``get_model_state_dict(block.attn, full_state_dict=True)``: the block is gathered, and
     only ``attn``'s parameters are kept whole -- the dict's own entries, no more -- once the
     dict is produced (Note [state-dict hooks on every module of a unit]); values as FSDP2's."""
     d = 8
     attn = (d * d + d) * 4
     block = attn + (2 * d * d + 2 * d + 2 * d * d + d) * 4
-    for res in run_distributed(_held, 2):
+    for res in results_of(launched, "held"):
         for (path, cpu), (held, wanted, only_entries, left) in res.items():
             assert held == wanted and only_entries, (path, cpu, held, wanted)
             assert left == 0, (path, cpu)  # nothing kept once the helper returns
@@ -250,8 +251,8 @@ def _loads(rank, ws):
     return out
 
 
-def test_submodule_loads_match_fsdp2():
-    res = run_distributed(_loads, 2)
+def test_submodule_loads_match_fsdp2(launched):
+    res = results_of(launched, "loads")
     assert res[0] == res[1]
     assert len(res[0]) == len(TARGETS) * 4
 
@@ -275,8 +276,8 @@ def _dcp(rank, ws, where):
     return True
 
 
-def test_submodule_dcp_save_load_interchanges_with_fsdp2(tmp_path):
-    assert run_distributed(_dcp, 2, str(tmp_path)) == [True, True]
+def test_submodule_dcp_save_load_interchanges_with_fsdp2(launched):
+    assert results_of(launched, "dcp") == [True, True]
 
 
 # ------------------------------------------------------------------ bad input
@@ -304,8 +305,8 @@ def _errors(rank, ws):
     return out
 
 
-def test_submodule_bad_input_named_with_whole_shapes():
-    for wrong_shape, via_helper, missing in run_distributed(_errors, 2):
+def test_submodule_bad_input_named_with_whole_shapes(launched):
+    for wrong_shape, via_helper, missing in results_of(launched, "errors"):
         for msg in (wrong_shape, via_helper):
             # FSDP2's wording: the whole parameter's shape, not this rank's piece's
             assert ("size mismatch for 0.weight: copying a param with shape torch.Size([5, 8]) from checkpoint, "
@@ -313,3 +314,16 @@ def test_submodule_bad_input_named_with_whole_shapes():
             assert msg.count("size mismatch") == 1, msg
         assert 'Missing key(s) in state_dict: "2.bias"' in missing, missing
         assert "size mismatch" not in missing, missing
+
+
+# ------------------------------------------------------------------ one launch of the ranks
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    return launch_phase(request, {
+        "test_submodule_state_dict_entries_match_fsdp2": {"taken": (_taken, ())},
+        "test_full_state_dict_of_a_submodule_keeps_only_its_own_parameters_whole": {"held": (_held, ())},
+        "test_submodule_loads_match_fsdp2": {"loads": (_loads, ())},
+        "test_submodule_dcp_save_load_interchanges_with_fsdp2": {
+            "dcp": (_dcp, (str(tmp_path_factory.mktemp("submodule-dcp")),))},
+        "test_submodule_bad_input_named_with_whole_shapes": {"errors": (_errors, ())},
+    }, 2, timeout=300)

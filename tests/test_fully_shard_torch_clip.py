@@ -24,7 +24,8 @@ from torch.nn.utils import clip_grad_norm_ as clip_bound_early  # bound before a
 
 import fusedist
 import models
-from fusedist.testing import run_distributed
+from phased_launches import launch_phase
+from shared_rank_launch import results_of
 
 WORLD, D, MAX_NORM = 3, 10, 0.05
 NORM = dict(rtol=1e-5, atol=1e-6)
@@ -169,10 +170,10 @@ def _fully_shard_clips(rank, ws):
     return out
 
 
-def test_torch_clip_on_fully_shard_matches_fsdp2():
+def test_torch_clip_on_fully_shard_matches_fsdp2(at_3):
     """Three clip forms x norms 2 and inf against FSDP2; the lazy-unscale scaler; non-finite
     norms raise on every rank; mixed lists are refused; plain tensors keep torch's clip."""
-    out = run_distributed(_fully_shard_clips, WORLD, timeout=240)
+    out = results_of(at_3, "fully_shard clips")
     for r in out:
         assert set(r) == {f"{f} {n}" for f in CLIPS for n in (2.0, float("inf"))} | {"lazy"}
         assert r["lazy"] is True
@@ -210,13 +211,13 @@ def _zero2_clip(rank, ws, form):
 
 
 @pytest.mark.parametrize("form", ["attribute", "bound early", "torchtitan's two calls"])
-def test_torch_clip_on_zero_stage2_matches_ddp(form):
+def test_torch_clip_on_zero_stage2_matches_ddp(at_2, form):
     """Stage 2 keeps no ``p.grad``: torch's clip -- through the module attribute, or through the
     name imported from torch before the optimizer existed (torch's own function, which sees no
     gradient), or torchtitan's ``get_total_norm`` + ``clip_grads_with_norm_`` -- clips by the
     global norm (stage 2 applies the coefficient in its step) and returns it, as torch's clip on
     torch DDP."""
-    for norms, diff in run_distributed(_zero2_clip, 2, form):
+    for norms, diff in results_of(at_2, f"zero2 {form}"):
         for ref, ours in norms:
             assert ref > 0.05 and ours == pytest.approx(ref, rel=1e-5), norms
         assert diff < 1e-5, diff
@@ -241,10 +242,10 @@ def _value_clip_on_stage2(rank, ws):
     return refused, plain.weight.grad.max().item()
 
 
-def test_torch_value_clip_on_zero_stage2_is_refused():
+def test_torch_value_clip_on_zero_stage2_is_refused(at_2):
     """torch's clip_grad_value_ over stage-2 parameters would clamp no p.grad and change
     nothing; it is refused naming the parameter, and stays torch's for other parameters."""
-    for refused, clamped in run_distributed(_value_clip_on_stage2, 2):
+    for refused, clamped in results_of(at_2, "value clip"):
         assert refused is not None and "parameter 0 (shape" in refused and "stage=2" in refused, refused
         assert clamped == 1.0
 
@@ -275,9 +276,29 @@ def _bf16_norms(rank, ws):
 
 
 @pytest.mark.parametrize("ws", [2, 3])
-def test_bf16_gradient_norms_do_not_depend_on_the_cut(ws):
+def test_bf16_gradient_norms_do_not_depend_on_the_cut(request, ws):
     """Each piece's norm is taken in fp32, not rounded to bf16 first (it was: 6e-4 off at 2
     ranks, 2e-3 at 3); within fp32 summation error of the exact norm."""
-    for total, exact, each, exact_each in run_distributed(_bf16_norms, ws):
+    for total, exact, each, exact_each in results_of(request.getfixturevalue(f"at_{ws}"), "bf16 norms"):
         assert total == pytest.approx(exact, rel=1e-6)
         assert each == pytest.approx(exact_each, rel=1e-6)
+
+
+# ------------------------------------------------------------------ one launch per world size
+@pytest.fixture(scope="module")
+def at_2(request):
+    return launch_phase(request, {
+        "test_torch_clip_on_zero_stage2_matches_ddp": {
+            f"zero2 {form}": (_zero2_clip, (form,)) for form in ("attribute", "bound early", "torchtitan's two calls")},
+        "test_torch_value_clip_on_zero_stage2_is_refused": {"value clip": (_value_clip_on_stage2, ())},
+        "test_bf16_gradient_norms_do_not_depend_on_the_cut": {"bf16 norms": (_bf16_norms, ())},
+    }, 2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def at_3(request):
+    assert WORLD == 3
+    return launch_phase(request, {
+        "test_torch_clip_on_fully_shard_matches_fsdp2": {"fully_shard clips": (_fully_shard_clips, ())},
+        "test_bf16_gradient_norms_do_not_depend_on_the_cut": {"bf16 norms": (_bf16_norms, ())},
+    }, 3, timeout=240)

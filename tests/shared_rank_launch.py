@@ -111,3 +111,13 @@ def results_of(launched: dict, scenario: str) -> list:
     failures.sort(key=lambda text: AFTER_ABORT in text.split("\n", 1)[0])
     assert not failures, f"{scenario} raised on " + "\n".join(failures)
     return [value for _, value in launched[scenario]]
+
+
+def refused(call):
+    """What ``call()`` raised, as ``"Type: message"``, or None where it returned: a scenario's refusal
+    carried back to its test as text."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test reads what was raised
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fusedist.testing import run_distributed
+from shared_rank_launch import refused as _refused
 
 
 def _net():
@@ -32,14 +33,6 @@ def _sharded(net):
     for layer in (net[0], net[2]):
         fusedist.fully_shard(layer)
     return fusedist.fully_shard(net)
-
-
-def _refused(call):
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the test reads what was raised
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _worker(rank, world):

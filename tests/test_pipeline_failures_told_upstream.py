@@ -37,7 +37,7 @@ import pytest
 import torch
 from torch import nn
 
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import launch_for_selected, refused as _refused, results_of
 
 WIDTH, MICRO_BATCHES, BATCH = 8, 4, 8
 
@@ -70,14 +70,6 @@ def _broken_backward(grad):
 
 def _mse(out, target):
     return (out - target).square().mean()
-
-
-def _refused(call):
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the test reads what was raised
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _pipeline(rank, world, module, schedule_name, n_microbatches, static, loss_fn=_mse, **schedule_kwargs):

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from pipeline_stage_kinds import largest_difference, stages_of_each_kind
-from shared_rank_launch import launch_for_selected, results_of
+from shared_rank_launch import launch_for_selected, refused as _refused, results_of
 
 WIDTH, MICRO_BATCHES = 8, 4
 
@@ -64,14 +64,6 @@ def _cross_entropy(out, target):
 
 def _mse(out, target):
     return (out - target).square().mean()
-
-
-def _refused(call):
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the test reads what was raised
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _one_rank_pipeline(stage_cls, seed, schedule_name, group):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fusedist.optim import FusedAdam, FusedAdamW, FusedSGD
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 PAIRS = {
     "AdamW": (torch.optim.AdamW, FusedAdamW, dict(lr=0.01, weight_decay=0.1)),
@@ -94,10 +94,25 @@ def _worker(rank, ws, where, name, direction, flatten):
     return max((a - b).abs().max().item() for a, b in zip(model.parameters(), target.parameters()))
 
 
+DIRECTIONS = ["torch->fused", "fused->torch", "fused->fused"]
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """Every pair, direction and form in one launch (each its own checkpoint folder)."""
+    root = str(tmp_path_factory.mktemp("dcp_interchange"))
+    scenarios = {}
+    for index, (name, direction, flatten) in enumerate(
+            (n, d, f) for n in PAIRS for d in DIRECTIONS for f in (False, True)):
+        where = os.path.join(root, f"ck{index}")
+        scenarios[(name, direction, flatten)] = (_worker, (where, name, direction, flatten))
+    return launch_for_selected(request, {"test_distributed_checkpoint_of_either_library_loads_into_the_other":
+                                         scenarios}, 1, timeout=240)
+
+
 @pytest.mark.parametrize("name", list(PAIRS))
-@pytest.mark.parametrize("direction", ["torch->fused", "fused->torch", "fused->fused"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
-def test_distributed_checkpoint_of_either_library_loads_into_the_other(tmp_path, name, direction, flatten):
-    where = os.path.join(str(tmp_path), "ck")
-    diff = run_distributed(_worker, 1, where, name, direction, flatten, timeout=120)[0]
+def test_distributed_checkpoint_of_either_library_loads_into_the_other(launched, name, direction, flatten):
+    diff = results_of(launched, (name, direction, flatten))[0]
     assert diff < 1e-6, diff

@@ -21,7 +21,7 @@ from torch import nn
 
 import fusedist
 from fusedist.optim import FusedAdam, FusedAdamW
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of
 
 import models
 
@@ -137,8 +137,8 @@ def _some_params_worker(rank, ws):
     return out
 
 
-def test_zero2_clip_of_some_parameters_matches_torch_ddp():
-    for rank_out in run_distributed(_some_params_worker, 2, timeout=180):
+def test_zero2_clip_of_some_parameters_matches_torch_ddp(launched):
+    for rank_out in results_of(launched, "some parameters"):
         for form, norm_type, scaled, norms, weights in rank_out:
             case = f"{form}, norm {norm_type}, scaled {scaled}"
             for want, got in norms:
@@ -163,8 +163,8 @@ def _join_worker(rank, ws):
     return message
 
 
-def test_zero2_clip_of_some_parameters_is_refused_under_join():
-    for message in run_distributed(_join_worker, 2, timeout=120):
+def test_zero2_clip_of_some_parameters_is_refused_under_join(launched):
+    for message in results_of(launched, "join"):
         assert message is not None and "under join()" in message and "optimizer.clip_grad_norm_" in message
 
 
@@ -192,7 +192,18 @@ def _offload_worker(rank, ws):
     return norms, max((p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters()))
 
 
-def test_zero2_host_offload_takes_group_decay_and_clips_some_parameters_as_torch():
-    for norms, weights in run_distributed(_offload_worker, 2, timeout=120):
+def test_zero2_host_offload_takes_group_decay_and_clips_some_parameters_as_torch(launched):
+    for norms, weights in results_of(launched, "offload"):
         assert norms[1::2] == pytest.approx(norms[0::2], rel=1e-5)
         assert weights < 1e-5, weights
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The file's two-rank scenarios in one launch."""
+    return launch_for_selected(request, {
+        "test_zero2_clip_of_some_parameters_matches_torch_ddp": {"some parameters": (_some_params_worker, ())},
+        "test_zero2_clip_of_some_parameters_is_refused_under_join": {"join": (_join_worker, ())},
+        "test_zero2_host_offload_takes_group_decay_and_clips_some_parameters_as_torch": {
+            "offload": (_offload_worker, ())},
+    }, 2, timeout=300)

@@ -51,11 +51,6 @@ def _transforms_refused_in_synchronized_training(rank, ws):
     torch.testing.assert_close(vmap(ours)(torch.stack([mine, mine]))[1], ref(mine), **TOL)
 
 
-def test_transforms_refused_in_synchronized_training_at_world_size_2():
-    run_probes([_transforms_refused_in_synchronized_training], 2, timeout=240)
-
-
-
 def _whole_graph_where_nothing_synchronizes(rank, ws):
     """fullgraph compile and export of an eval model holding the layer (they failed on the
     layer's graph break, where torch.nn.SyncBatchNorm works), and a compiled training step
@@ -84,5 +79,7 @@ def _whole_graph_where_nothing_synchronizes(rank, ws):
     torch.testing.assert_close(torch.jit.trace(ours, mine)(mine), expected, **TOL)
 
 
-def test_whole_graph_capture_where_the_layer_does_not_synchronize_at_world_size_2():
-    run_probes([_whole_graph_where_nothing_synchronizes], 2, timeout=240)
+def test_transforms_refused_and_whole_graph_capture_at_world_size_2():
+    """Both probes in one spawn (a failure names the probe and the rank)."""
+    run_probes([_transforms_refused_in_synchronized_training, _whole_graph_where_nothing_synchronizes], 2,
+               timeout=300)

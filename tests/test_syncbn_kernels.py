@@ -128,7 +128,7 @@ def test_many_row_splits_and_tiles(monkeypatch):
     monkeypatch.setattr(kernels, "_reduction_tile", lambda device: 16)
     monkeypatch.setattr(kernels, "_row_splits", lambda units, c_blocks, device: min(units, 37))
     for layout in ("contiguous", "channels_last"):
-        x = _make((12, 4, 5, 7), layout, torch.float32, seed=4)
+        x = _make((12, 2, 5, 7), layout, torch.float32, seed=4)
         launches = []
         real_partial = kernels._welford_partial_kernel
         monkeypatch.setattr(kernels, "_welford_partial_kernel", _Recorder(real_partial, launches))
@@ -138,7 +138,7 @@ def test_many_row_splits_and_tiles(monkeypatch):
         ref_mean, ref_m2 = _oracle_stats(x)
         torch.testing.assert_close(mean, ref_mean, rtol=2e-6, atol=2e-6)
         torch.testing.assert_close(m2, ref_m2, rtol=1e-5, atol=1e-5)
-        dy = _make((12, 4, 5, 7), layout, torch.float32, offset=0, scale=1, seed=5)
+        dy = _make((12, 2, 5, 7), layout, torch.float32, offset=0, scale=1, seed=5)
         invstd = torch.rsqrt(m2 / count + 1e-5).float()
         got = kernels.backward_reduce(dy, x, ncs_layout(x), mean.float(), invstd)
         want = reference.backward_reduce(dy, x, mean.float(), invstd)
@@ -239,24 +239,24 @@ def _aot_compile_all() -> None:
                                   options=options)
         assert ".entry" in compiled.asm["ptx"], fn
 
-    for x_type in ("*fp32", "*bf16", "*fp16"):
-        for wide in (False, True):
-            compile_(kernels._welford_partial_kernel,
-                     {"x_ptr": x_type, "mean_part_ptr": "*fp32", "m2_part_ptr": "*fp32",
-                      "count_part_ptr": "*i32"}, ints,
-                     {"BLOCK_S": 32, "BLOCK_C": 64, "WIDE_INDEX": wide})
-            compile_(kernels._backward_reduce_kernel,
-                     {"dy_ptr": x_type, "x_ptr": x_type, "mean_ptr": "*fp32", "invstd_ptr": "*fp32",
-                      "part_ptr": "*fp32"}, ints,
-                     {"BLOCK_S": 2048, "BLOCK_C": 1, "WIDE_INDEX": wide})
-            compile_(kernels._welford_channel_kernel,
-                     {"x_ptr": x_type, "mean_out_ptr": "*fp32", "m2_out_ptr": "*fp32", "count_out_ptr": "*fp32"},
-                     ("total_count", "N", "S", "stride_n", "stride_c"),
-                     {"BLOCK_N": 128, "BLOCK_S": 64, "WIDE_INDEX": wide}, {"num_warps": 8})
-            compile_(kernels._backward_reduce_channel_kernel,
-                     {"dy_ptr": x_type, "x_ptr": x_type, "mean_ptr": "*fp32", "invstd_ptr": "*fp32",
-                      "out_ptr": "*fp32"}, ("N", "C", "S", "stride_n", "stride_c"),
-                     {"BLOCK_N": 16, "BLOCK_S": 256, "WIDE_INDEX": wide})
+    # the input dtype and the index width are separate constexprs: every dtype, and each width, once
+    for x_type, wide in (("*fp32", False), ("*bf16", True), ("*fp16", False)):
+        compile_(kernels._welford_partial_kernel,
+                 {"x_ptr": x_type, "mean_part_ptr": "*fp32", "m2_part_ptr": "*fp32",
+                  "count_part_ptr": "*i32"}, ints,
+                 {"BLOCK_S": 32, "BLOCK_C": 64, "WIDE_INDEX": wide})
+        compile_(kernels._backward_reduce_kernel,
+                 {"dy_ptr": x_type, "x_ptr": x_type, "mean_ptr": "*fp32", "invstd_ptr": "*fp32",
+                  "part_ptr": "*fp32"}, ints,
+                 {"BLOCK_S": 2048, "BLOCK_C": 1, "WIDE_INDEX": wide})
+        compile_(kernels._welford_channel_kernel,
+                 {"x_ptr": x_type, "mean_out_ptr": "*fp32", "m2_out_ptr": "*fp32", "count_out_ptr": "*fp32"},
+                 ("total_count", "N", "S", "stride_n", "stride_c"),
+                 {"BLOCK_N": 128, "BLOCK_S": 64, "WIDE_INDEX": wide}, {"num_warps": 8})
+        compile_(kernels._backward_reduce_channel_kernel,
+                 {"dy_ptr": x_type, "x_ptr": x_type, "mean_ptr": "*fp32", "invstd_ptr": "*fp32",
+                  "out_ptr": "*fp32"}, ("N", "C", "S", "stride_n", "stride_c"),
+                 {"BLOCK_N": 16, "BLOCK_S": 256, "WIDE_INDEX": wide})
         compile_(kernels._channel_affine_kernel,
                  {"out_ptr": x_type, "u_ptr": x_type, "v_ptr": x_type,
                   **{f"{n}_ptr": "*fp32" for n in "pqrtb"}},
@@ -423,15 +423,18 @@ def test_row_splits_ask_the_device_once(monkeypatch):
 
 
 # Note [one program per channel]: shapes the launchers give one program per channel (NCHW,
-# at least 256 channels, few values per channel), including a padded batch (N=100 at 7x7: the
-# statistics' one 128x64 tile, the backward reduce's two 64-row tiles, the second partial) and
-# S padded to a power of two.
-CHANNEL_PATH = [(3, 256, 2, 3), (5, 300, 7, 7), (100, 256, 7, 7), (2, 256, 9)]
+# few values per channel), including a padded batch (N=100 at 7x7: the statistics' one 128x64
+# tile, the backward reduce's two 64-row tiles, the second partial) and S padded to a power of
+# two. Programs do not depend on each other, and every interpreted program costs time, so these
+# tests open the path from 2 channels up (test_one_program_per_channel_only_where_meant checks
+# the real channel range): a few channels walk the same tiles as hundreds.
+CHANNEL_PATH = [(3, 5, 2, 3), (5, 6, 7, 7), (100, 3, 7, 7), (2, 4, 9)]
 CHANNEL_PATH_CASES = ([(shape, torch.float32) for shape in CHANNEL_PATH]
                       + [(CHANNEL_PATH[1], torch.bfloat16), (CHANNEL_PATH[1], torch.float16)])
 
 
 def _channel_launches(monkeypatch):
+    monkeypatch.setattr(kernels, "_CHANNEL_PATH_MIN_C", 2)
     grids = {"stats": [], "reduce": []}
     monkeypatch.setattr(kernels, "_welford_channel_kernel", _Recorder(kernels._welford_channel_kernel, grids["stats"]))
     monkeypatch.setattr(kernels, "_backward_reduce_channel_kernel",
@@ -470,7 +473,7 @@ def test_one_program_per_channel_non_finite(monkeypatch):
     """Note [non-finite statistics] on the per-channel path: a channel with +inf has mean +inf,
     +inf and -inf together NaN, M2 NaN for both; the other channels are untouched."""
     grids = _channel_launches(monkeypatch)
-    x = _make((4, 256, 3, 3), "contiguous", torch.float32, seed=9)
+    x = _make((4, 11, 3, 3), "contiguous", torch.float32, seed=9)
     x[1, 3, 2, 1] = float("inf")
     x[0, 7, 0, 0], x[3, 7, 1, 2] = float("inf"), float("-inf")
     x[2, 9, 1, 1] = float("nan")
@@ -482,11 +485,11 @@ def test_one_program_per_channel_non_finite(monkeypatch):
     torch.testing.assert_close(m2, r_m2, equal_nan=True, rtol=1e-5, atol=1e-5)
     # backward: an infinite invstd with dy * (x - mean) > 0 everywhere in channel 5 sums to
     # +inf; the tile's padding lanes (S = 9 in 16 lanes) must add 0, not 0 * inf = NaN
-    dy = _make((4, 256, 3, 3), "contiguous", torch.float32, offset=0.0, scale=1.0, seed=10)
+    dy = _make((4, 11, 3, 3), "contiguous", torch.float32, offset=0.0, scale=1.0, seed=10)
     dy[:, 5] = dy[:, 5].abs() + 0.5
-    mean32 = torch.zeros(256)
+    mean32 = torch.zeros(11)
     mean32[5] = x[:, 5].min() - 1.0
-    invstd = torch.ones(256)
+    invstd = torch.ones(11)
     invstd[5] = float("inf")
     got = kernels.backward_reduce(dy, x, ncs_layout(x), mean32, invstd)
     assert grids["reduce"] and got[1, 5].item() == float("inf")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fusedist.nn import SyncBatchNorm
-from fusedist.testing import run_distributed
+from shared_rank_launch import launch_for_selected, results_of, under_env
 
 MARGIN = 1.5
 OUTPUT_MARGIN = 2.5  # the output's largest error is one element's rounding: 0.5-1.8x torch's across seeds
@@ -65,8 +65,21 @@ def _offset_batches(rank: int, ws: int, channels_last: bool) -> None:
                4 * ulp * offset)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+BACKENDS = ["triton", "torch"]
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """Both paths and both layouts in one launch, each under its own kernel backend."""
+    scenarios = {(channels_last, backend): (under_env, ({"FUSEDIST_KERNEL_BACKEND": backend}, _offset_batches,
+                                                       channels_last))
+                 for backend in BACKENDS for channels_last in (False, True)}
+    return launch_for_selected(request, {"test_statistics_and_gradients_of_a_large_mean_as_accurate_as_torch":
+                                         scenarios}, 2, timeout=240)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_statistics_and_gradients_of_a_large_mean_as_accurate_as_torch(channels_last, backend):
+def test_statistics_and_gradients_of_a_large_mean_as_accurate_as_torch(launched, channels_last, backend):
     """Both paths: the Triton kernels (under the interpreter here) and the PyTorch fallback."""
-    run_distributed(_offset_batches, 2, channels_last, timeout=120, env={"FUSEDIST_KERNEL_BACKEND": backend})
+    results_of(launched, (channels_last, backend))

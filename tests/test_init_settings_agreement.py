@@ -1,6 +1,6 @@
-"""init_distributed checks the FUSEDIST_* settings of the group it creates (Note [settings that must agree] in
-fusedist/reliability/settings_agreement.py): a setting that decides which collectives a step runs, different on one rank,
-is one error on every rank naming it -- where it was a stall until the collective timeout ("Application
+"""init_distributed checks the FUSEDIST_* settings of the group it creates (Note [settings that must agree]
+in fusedist/reliability/settings_agreement.py): a setting that decides which collectives a step runs, different on
+one rank, is one error on every rank naming it -- where it was a stall until the collective timeout ("Application
 timeout caused pair closure") or "Connection closed by peer" at the first backward; torch has no such check
 (it knows none of these settings), so the reference is the same prompt error on every rank. A setting read only
 late (a checkpoint's peer silence) is refused at the start."""

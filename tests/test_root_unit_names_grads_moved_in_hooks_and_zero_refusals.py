@@ -68,8 +68,9 @@ def test_a_changed_bucket_layout_is_refused_naming_the_rank_and_the_bucket():
     zero = SimpleNamespace(rank=1, _partition=SimpleNamespace(buckets=[built]))
     with pytest.raises(RuntimeError) as err:
         on_layout_change(zero, SimpleNamespace(buckets=[other]))
-    assert str(err.value).startswith("ZeroRedundancyOptimizer (rank 1): the DDP bucket layout changed after the shards "
-                                     "were built (bucket 0: parameter offsets [0, 2] before, [0, 3] now)"), str(err.value)
+    said = str(err.value)
+    assert said.startswith("ZeroRedundancyOptimizer (rank 1): the DDP bucket layout changed after the shards "
+                           "were built (bucket 0: parameter offsets [0, 2] before, [0, 3] now)"), said
     moved = SimpleNamespace(dtype=torch.float32, start=0, end=5, offsets=[0, 2], params=[b, a], names=["b", "a"])
     with pytest.raises(RuntimeError, match=r"\(bucket 0: other parameters now \(b, a\)\)"):
         on_layout_change(zero, SimpleNamespace(buckets=[moved]))

@@ -309,7 +309,7 @@ def test_unit_messages_name_current_parameter_after_renumbering_inside_the_unit(
     for rank, (current, message) in enumerate(results_of(launched, "renumbered inside")):
         assert current == "body.2.weight", (rank, current)
         assert message is not None, f"rank {rank}: a piece replaced by the whole weight was not refused"
-        assert f"parameter '{current}' of unit" in message, (rank, message)
+        assert f"parameter '{current}' of the root module (_Body)" in message, (rank, message)
         assert "'body.1.weight'" not in message, (rank, message)  # the name at wrapping: the other Linear's now
 
 

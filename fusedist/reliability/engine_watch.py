@@ -21,7 +21,7 @@ from .config import checks_enabled, param_check_every
 from .monitor import attach_monitor
 from .param_check import ParamDigest, replicates
 from . import carried_check
-from .step_check import FIELDS, JOINED, StepCheck, layout_crc
+from .step_check import FIELDS, JOINED, StepCheck, layout_crc, with_call
 from .mode_check import describe_modes, modes_crc
 from .scale_check import scale_field
 
@@ -418,7 +418,7 @@ class StepWatch(WatchBase, EngineObserver):
     def position(self) -> dict:
         """Where training is, for stall reports (fusedist.reliability)."""
         engine = self._engine
-        return {
+        position = {
             "ddp_step": self.sync_steps,
             "ddp_backward": engine.iteration,
             "ddp_forwards": self.forwards,
@@ -428,6 +428,7 @@ class StepWatch(WatchBase, EngineObserver):
             "buckets_launched": f"{getattr(engine, 'next_launch', 0)}/{len(engine.layout.buckets)}",
             "buckets_finished": f"{getattr(engine, 'next_finish', 0)}/{len(engine.layout.buckets)}",
         }
+        return with_call(position)
 
 
 def _leave_position(monitor_ref, watch_ref) -> None:

@@ -81,7 +81,7 @@ from .config import checks_enabled, param_check_every
 from .engine_watch import PIPELINE_HINT, WatchBase
 from .monitor import attach_monitor, monitor_of
 from .param_check import ParamDigest
-from .step_check import StepCheck
+from .step_check import StepCheck, with_call
 from .mode_check import describe_modes, modes_crc
 from .scale_check import scale_field
 
@@ -322,14 +322,14 @@ class ShardedStepWatch(WatchBase):
         return self.backwards
 
     def position(self) -> dict:
-        return {
+        return with_call({
             "fully_shard_step": self.sync_steps,
             "fully_shard_backward": self.backwards,
             "fully_shard_forwards": self.forwards,
             "optimizer_steps": self.optimizer_steps,
             "in_backward": self.in_backward,
             "in_check": self.checking,
-        }
+        })
 
 
 #: The ``params`` field's explanation on a (replicate, shard) mesh (Note [replica check]).

@@ -274,6 +274,8 @@ def _position(entry: dict) -> str:
         parts.append("inside backward")
     if ctx.get("in_check"):
         parts.append("inside check_consistency()")
+    if ctx.get("inside_call"):  # Note [a step check inside a save] in step_check.py
+        parts.append(f"inside {ctx['inside_call']}")
     text = ", ".join(parts)
     if ctx.get("models_on_group"):  # Note [several models on one communicator] in monitor.py
         text += f" (the position of {ctx.get('position_of')}, of {ctx['models_on_group']} models on this group)"
@@ -449,8 +451,11 @@ _SAVE_TAG = "fusedist.checkpoint.save: "
 
 
 def _inside_save(entry: dict) -> bool:
-    """Whether the rank of ``entry`` waits in a collective of a fusedist.checkpoint.save."""
-    return str((entry.get("waiting_on") or {}).get("tag") or "").startswith(_SAVE_TAG)
+    """Whether the rank of ``entry`` waits in a collective of a fusedist.checkpoint.save: its tag says so, or,
+    for a ``checking`` entry written before the collective existed, its position."""
+    if str((entry.get("waiting_on") or {}).get("tag") or "").startswith(_SAVE_TAG):
+        return True
+    return str((entry.get("context") or {}).get("inside_call") or "").startswith(_SAVE_TAG.rstrip(": "))
 
 
 def exchange(

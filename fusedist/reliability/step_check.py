@@ -320,6 +320,22 @@ def inside_call(name: str):
         _calls.name = before
 
 
+def inside_call_name():
+    """The collective call (``fusedist.checkpoint.save``) this thread is inside of, or None: a rank's
+    position in its stall-report entries says it (a ``checking`` entry is written before the check's
+    collective exists)."""
+    return getattr(_calls, "name", None)
+
+
+def with_call(position: dict) -> dict:
+    """``position`` (a rank's training position for its stall-report entries), with the call this
+    thread is inside of where there is one (Note [a step check inside a save])."""
+    name = inside_call_name()
+    if name is not None:
+        position["inside_call"] = name
+    return position
+
+
 def tag_inside_call(tag: str) -> str:
     """``tag``, prefixed with the call this thread is inside of, if any."""
     name = getattr(_calls, "name", None)
